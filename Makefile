@@ -1,0 +1,34 @@
+# kvserve: `make serve` trains (if needed), exports and serves; `make test` runs the default test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ART ?= artifacts
+
+.PHONY: venv test test-slow serve bench data train export clean
+
+$(BIN)/kvserve-installed.stamp: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/kvserve-installed.stamp
+
+test: venv
+	$(BIN)/python -m pytest
+
+test-slow: venv
+	$(BIN)/python -m pytest -m slow -o addopts="-q"
+
+data: venv
+	$(BIN)/kvserve data --task translate --out $(ART)/data
+	$(BIN)/kvserve data --task generate --out $(ART)/data
+
+serve: venv
+	$(BIN)/kvserve up --artifacts $(ART)
+
+bench: venv
+	$(BIN)/kvserve bench --artifacts $(ART) --out docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,91 @@
+"""The one model configuration: a frozen dataclass with named presets.
+
+The same object is saved in checkpoints and in bundle manifests, so a model can always be rebuilt
+from its config alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class Arch(str, Enum):
+    ENCODER_DECODER = "encoder_decoder"  # translation
+    DECODER_ONLY = "decoder_only"  # language model (generation)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: Arch = Arch.ENCODER_DECODER
+    vocab_size: int = 8000
+    d_model: int = 256
+    n_heads: int = 4
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    d_ff: int = 1024
+    dropout: float = 0.1
+    max_len: int = 256  # longest sequence (prompt + generated) the positional table and KV cache cover
+    pre_norm: bool = True  # False = post-norm, as in the paper
+    tie_embeddings: bool = True  # share source/target embeddings and the output projection
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if isinstance(self.arch, str) and not isinstance(self.arch, Arch):
+            object.__setattr__(self, "arch", Arch(self.arch))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["arch"] = self.arch.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# Presets are per task because the LM has no encoder. `base` is the paper's model.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {
+        "translate": dict(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
+                          dropout=0.0, max_len=64),
+        "generate": dict(d_model=32, n_heads=4, n_encoder_layers=0, n_decoder_layers=2, d_ff=64,
+                         dropout=0.0, max_len=64),
+    },
+    "small": {
+        "translate": dict(d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, d_ff=1024,
+                          dropout=0.1, max_len=160),
+        "generate": dict(d_model=256, n_heads=4, n_encoder_layers=0, n_decoder_layers=4, d_ff=1024,
+                         dropout=0.1, max_len=256),
+    },
+    "base": {
+        "translate": dict(d_model=512, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, d_ff=2048,
+                          dropout=0.1, max_len=256),
+        "generate": dict(d_model=512, n_heads=8, n_encoder_layers=0, n_decoder_layers=6, d_ff=2048,
+                         dropout=0.1, max_len=512),
+    },
+}
+
+TASK_ARCH = {"translate": Arch.ENCODER_DECODER, "generate": Arch.DECODER_ONLY}
+
+
+def preset(name: str, task: str, vocab_size: int, pad_id: int = 0) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    if task not in TASK_ARCH:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASK_ARCH)}")
+    return ModelConfig(arch=TASK_ARCH[task], vocab_size=vocab_size, pad_id=pad_id, **PRESETS[name][task])
