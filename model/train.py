@@ -1,0 +1,289 @@
+"""Training: `kvserve train --task translate|generate --preset P --out DIR`.
+
+AdamW with linear warmup and cosine decay over --steps, label smoothing, gradient clipping, a wall-clock
+budget (stops early and saves), validation during training, checkpoints with exact --resume, a progress
+bar, and `loss_curve.png` + `metrics.json` beside the checkpoint. Same seed, same result: the batch order
+is a function of (seed, epoch), dropout RNG state is checkpointed, and the schedule depends on steps only.
+
+Translation batches are built by tokens (length-bucketed), so padding waste stays small; LM batches are
+random windows of the token stream, each starting with bos.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from model import data as data_mod
+from model.checkpoint import TOKENIZER, load_train_state, save_checkpoint
+from model.config import ModelConfig, preset
+from model.decode import lm_nll, translate
+from model.scores import bits_per_char, chrf
+from model.tokenizer import Tokenizer
+from model.transformer import build_model, count_parameters
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    task: str = "translate"
+    preset: str = "small"
+    out: str = "artifacts/ckpt/translate"
+    data_dir: str = "artifacts/data"
+    steps: int = 2000  # the LR schedule spans this many steps
+    time_budget_s: float = 0.0  # > 0: stop (and save) when the wall clock runs out
+    batch_tokens: int = 4000  # translation: padded source+target tokens per batch
+    lm_batch: int = 24  # LM: windows per batch
+    lm_window: int = 128  # LM: tokens per window (after bos)
+    lr: float = 1e-3
+    warmup: int = 200
+    weight_decay: float = 0.01
+    label_smoothing: float = 0.1
+    clip: float = 1.0
+    vocab_size: int = 4000
+    eval_every: int = 250
+    eval_sentences: int = 200  # translation: greedy chrF on this many valid sentences at each eval
+    seed: int = 1234
+    threads: int = 0  # 0 = torch default
+    stop_at: int = 0  # > 0: stop (and save) after this step, keeping the schedule of `steps` (for --resume)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
+    if cfg.task == "translate":
+        pairs = data_mod.load_pairs(cfg.data_dir, "train")
+        texts = [s for pair in pairs for s in pair]
+    else:
+        texts = data_mod.load_text(cfg.data_dir, "train").split("\n")
+    tok = Tokenizer.train(texts, cfg.vocab_size)
+    tok.save(out / TOKENIZER)
+    return tok
+
+
+def translation_batches(pairs: list[tuple[list[int], list[int]]], batch_tokens: int, seed: int,
+                        epoch: int) -> list[list[int]]:
+    """Index batches of similar length, each under batch_tokens padded tokens, in a seeded order."""
+    rng = random.Random(seed * 1000 + epoch)
+    order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][1]), len(pairs[i][0]), rng.random()))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        n = len(pairs[i][0]) + len(pairs[i][1]) + 1
+        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+class Batcher:
+    """Deterministic infinite stream of training batches; `position` allows an exact resume."""
+
+    def __init__(self, cfg: TrainConfig, tok: Tokenizer, max_len: int) -> None:
+        self.cfg, self.tok = cfg, tok
+        if cfg.task == "translate":
+            pairs = data_mod.load_pairs(cfg.data_dir, "train")
+            src = tok.encode_batch([p[0] for p in pairs])
+            tgt = tok.encode_batch([p[1] for p in pairs])
+            self.pairs = [(s[: max_len], t[: max_len - 1]) for s, t in zip(src, tgt)]
+        else:
+            self.stream = torch.tensor(tok.encode(data_mod.load_text(cfg.data_dir, "train")), dtype=torch.long)
+        self.window = min(cfg.lm_window, max_len - 1)
+        self._cache: dict[int, list[list[int]]] = {}
+
+    def batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        if self.cfg.task == "translate":
+            return self._translation_batch(step)
+        g = torch.Generator().manual_seed(self.cfg.seed * 100003 + step)
+        starts = torch.randint(0, len(self.stream) - self.window - 1, (self.cfg.lm_batch,), generator=g)
+        win = torch.stack([self.stream[s: s + self.window + 1] for s in starts.tolist()])
+        bos = torch.full((win.shape[0], 1), self.tok.bos_id, dtype=torch.long)
+        x = torch.cat([bos, win[:, :-1]], 1)  # bos + window predicts window
+        return x, win[:, : x.shape[1]]
+
+    def _translation_batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        epoch, k = 0, step
+        while True:  # find (epoch, index) of this step; epochs have slightly different batch counts
+            bs = self._epoch_batches(epoch)
+            if k < len(bs):
+                break
+            k -= len(bs)
+            epoch += 1
+        idx = bs[k]
+        pad, bos, eos = self.tok.pad_id, self.tok.bos_id, self.tok.eos_id
+        s_len = max(1, max(len(self.pairs[i][0]) for i in idx))
+        t_len = max(len(self.pairs[i][1]) for i in idx) + 1
+        src = torch.full((len(idx), s_len), pad, dtype=torch.long)
+        tin = torch.full((len(idx), t_len), pad, dtype=torch.long)
+        tout = torch.full((len(idx), t_len), pad, dtype=torch.long)
+        lens = torch.zeros(len(idx), dtype=torch.long)
+        for r, i in enumerate(idx):
+            s, t = self.pairs[i]
+            src[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+            tin[r, : len(t) + 1] = torch.tensor([bos] + t, dtype=torch.long)
+            tout[r, : len(t) + 1] = torch.tensor(t + [eos], dtype=torch.long)
+            lens[r] = max(1, len(s))
+        return src, lens, tin, tout
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._cache:
+            self._cache = {epoch: translation_batches(self.pairs, self.cfg.batch_tokens, self.cfg.seed, epoch)}
+        return self._cache[epoch]
+
+
+def loss_on(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], cfg: TrainConfig, pad: int,
+            smoothing: float) -> tuple[torch.Tensor, int]:
+    if cfg.task == "translate":
+        src, lens, tin, tout = batch
+        logits = model(src, lens, tin)
+    else:
+        x, tout = batch
+        logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tout.reshape(-1), ignore_index=pad,
+                           label_smoothing=smoothing)
+    return loss, int((tout != pad).sum())
+
+
+def validate(model, tok: Tokenizer, cfg: TrainConfig, max_len: int, final: bool = False) -> dict:
+    """Validation metrics: loss/chrF on valid sentences (translation), bits per char (LM)."""
+    model.eval()
+    if cfg.task == "translate":
+        pairs = data_mod.load_pairs(cfg.data_dir, "valid")[: None if final else cfg.eval_sentences]
+        hyps = translate(model, tok, [p[0] for p in pairs], max_new_tokens=max_len - 1)
+        out = {"valid_chrf": chrf(hyps, [p[1] for p in pairs]), "valid_sentences": len(pairs)}
+    else:
+        text = data_mod.load_text(cfg.data_dir, "valid")
+        text = text if final else text[:60000]
+        nll, _ = lm_nll(model, tok.encode(text), tok.bos_id)
+        out = {"valid_bpc": round(bits_per_char(nll, len(text)), 4)}
+    model.train()
+    return out
+
+
+def plot_curves(history: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    tr = [h for h in history if "train_loss" in h]
+    ax[0].plot([h["step"] for h in tr], [h["train_loss"] for h in tr], label="train loss (smoothed CE)")
+    ax[0].set_xlabel("step"), ax[0].set_ylabel("loss"), ax[0].legend(), ax[0].grid(alpha=0.3)
+    ev = [h for h in history if "eval" in h]
+    key = "valid_chrf" if ev and "valid_chrf" in ev[0]["eval"] else "valid_bpc"
+    ax[1].plot([h["step"] for h in ev], [h["eval"][key] for h in ev], marker="o", label=key)
+    ax[1].set_xlabel("step"), ax[1].legend(), ax[1].grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    state = load_train_state(out) if resume else None
+    if resume and state is None:
+        raise FileNotFoundError(f"--resume: no train_state.pt in {out}")
+    tok = Tokenizer.load(out / TOKENIZER) if state else train_tokenizer(cfg, out)
+    mcfg: ModelConfig = preset(cfg.preset, cfg.task, tok.vocab_size, tok.pad_id)
+    torch.manual_seed(cfg.seed)
+    model = build_model(mcfg)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-9)
+    step, history, elapsed0 = 0, [], 0.0
+    if state:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        step, elapsed0 = int(state["step"]), float(state["elapsed"])
+        history = json.loads(state["history"])
+    batcher = Batcher(cfg, tok, mcfg.max_len)
+    meta_base = {"train_config": asdict(cfg), "parameters": count_parameters(model)}
+    print(f"{cfg.task}/{cfg.preset}: {count_parameters(model) / 1e6:.2f}M parameters, vocab {tok.vocab_size}, "
+          f"steps {step}->{cfg.steps}", file=sys.stderr)
+
+    def save(final_metrics: dict | None = None) -> None:
+        train_state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                       "step": step, "elapsed": elapsed, "history": json.dumps(history)}
+        meta = {**meta_base, "step": step, "elapsed_s": round(elapsed, 1), "metrics": final_metrics or {}}
+        save_checkpoint(out, model, mcfg, cfg.task, out / TOKENIZER, meta, train_state)
+
+    model.train()
+    t0, elapsed = time.time(), elapsed0
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.task}", unit="step", file=sys.stderr,
+               mininterval=2.0)
+    run_loss, run_tok = 0.0, 0
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss, ntok = loss_on(model, batcher.batch(step), cfg, tok.pad_id, cfg.label_smoothing)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        step += 1
+        elapsed = elapsed0 + time.time() - t0
+        run_loss, run_tok = run_loss + loss.item() * ntok, run_tok + ntok
+        bar.update(1)
+        if step % 25 == 0:
+            history.append({"step": step, "train_loss": round(run_loss / run_tok, 4), "elapsed_s": round(elapsed, 1)})
+            bar.set_postfix(loss=f"{run_loss / run_tok:.3f}", lr=f"{lr_at(step, cfg):.2e}")
+            run_loss, run_tok = 0.0, 0
+        out_of_time = bool(cfg.time_budget_s and elapsed >= cfg.time_budget_s) or step == cfg.stop_at
+        if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
+            history.append({"step": step, "eval": validate(model, tok, cfg, mcfg.max_len), "elapsed_s": round(elapsed, 1)})
+            bar.write(f"step {step}: {history[-1]['eval']} ({elapsed:.0f}s)")
+            save()
+        if out_of_time:
+            bar.write(f"stopping at step {step} (time budget or --stop-at)")
+            break
+    bar.close()
+    final = validate(model, tok, cfg, mcfg.max_len, final=True)
+    history.append({"step": step, "eval": final, "elapsed_s": round(elapsed, 1)})
+    save(final)
+    metrics = {"task": cfg.task, "preset": cfg.preset, "steps": step, "train_seconds": round(elapsed, 1),
+               "parameters": count_parameters(model), "final": final, "history": history}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    plot_curves(history, out / "loss_curve.png")
+    return metrics
+
+
+# The default runs `make serve` trains: sized for ~20 minutes on a 2-core CPU (see README for figures).
+RECIPES: dict[str, dict] = {
+    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=1400,
+                      time_budget_s=1140, batch_tokens=3000, lr=1.5e-3, warmup=150, vocab_size=4000,
+                      eval_every=200),
+    "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=1500,
+                     time_budget_s=1140, lm_batch=24, lm_window=128, lr=1.5e-3, warmup=150, vocab_size=4000,
+                     eval_every=250),
+}
+
+
+def recipe(task: str, **overrides) -> TrainConfig:
+    """The default training run for a task, with explicit overrides (e.g. from the command line)."""
+    if task not in RECIPES:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(RECIPES)}")
+    cfg = {**RECIPES[task], **overrides}
+    if "out" not in overrides and cfg.get("preset") != RECIPES[task]["preset"]:
+        cfg["out"] = f"artifacts/ckpt/{task}-{cfg['preset']}"
+    return TrainConfig(**cfg)

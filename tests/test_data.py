@@ -1,0 +1,89 @@
+"""Data preparation: parsing the dictd source, cleaning, deterministic splits, users' own data."""
+import gzip
+import json
+
+import pytest
+
+from model import data
+
+B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def b64(n: int) -> str:
+    s = ""
+    while True:
+        s = B64[n % 64] + s
+        n //= 64
+        if not n:
+            return s
+
+
+def write_dictd(tmp_path, entries):
+    body, index, off = b"", [], 0
+    for e in entries:
+        raw = e.encode("utf-8")
+        index.append(f"{e.split(chr(10))[0].lower()}\t{b64(off)}\t{b64(len(raw))}")
+        body, off = body + raw, off + len(raw)
+    dz = tmp_path / "freedict-deu-eng.dict.dz"
+    dz.write_bytes(gzip.compress(body))
+    (tmp_path / "freedict-deu-eng.index").write_text("\n".join(index) + "\n", encoding="utf-8")
+    return dz
+
+
+def test_dictionary_sentences_are_extracted_and_words_skipped(tmp_path):
+    dz = write_dictd(tmp_path, [
+        "Das steht noch dahin. /das ʃtˈeːt/\nThat remains to be seen., That's not decided yet.\n see: {x}\n\n",
+        "Fleischeslust /flˈaɪʃ/ <fem, n, sg>\nlust of the flesh\n\n",
+        "Gib Pfote! /ɡˈiːp/\nShake hands!\n\n",
+    ])
+    pairs = list(data.dictionary_sentence_pairs(dz))
+    assert pairs == [
+        ("That remains to be seen.", "Das steht noch dahin."),
+        ("That's not decided yet.", "Das steht noch dahin."),
+        ("Shake hands!", "Gib Pfote!"),
+    ]
+
+
+def test_clean_normalises_and_strips_control_characters():
+    assert data.clean("  Grüße\u0000 an\t\talle  ") == "Grüße an alle"
+    assert data.clean("Gru\u0308ße") == "Grüße"  # NFC
+
+
+def test_tsv_splits_are_deterministic_deduplicated_and_disjoint(tmp_path):
+    tsv = tmp_path / "pairs.tsv"
+    rows = [f"Sentence number {i}.\tSatz Nummer {i}." for i in range(600)]
+    tsv.write_text("\n".join(rows + rows[:50]) + "\n", encoding="utf-8")  # 50 duplicates
+    a = data.prepare_translation(tmp_path / "a", tsv=tsv)
+    b = data.prepare_translation(tmp_path / "b", tsv=tsv)
+    assert a["counts"] == b["counts"] and sum(a["counts"].values()) == 600
+    splits = {s: data.load_pairs(tmp_path / "a", s) for s in data.SPLITS}
+    assert splits == {s: data.load_pairs(tmp_path / "b", s) for s in data.SPLITS}
+    assert min(len(v) for v in splits.values()) > 0
+    train_src = {en for en, _ in splits["train"]}
+    assert not train_src & {en for en, _ in splits["test"]}
+
+
+def test_bad_tsv_line_is_named(tmp_path):
+    tsv = tmp_path / "bad.tsv"
+    tsv.write_text("ok\tgut\nno tab here\n", encoding="utf-8")
+    with pytest.raises(data.DataError, match=r"bad.tsv:2: expected `source<TAB>target`"):
+        data.prepare_translation(tmp_path / "o", tsv=tsv)
+
+
+def test_own_text_corpus_and_missing_split_message(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(f"Paragraph {i} of my own text." for i in range(400)), encoding="utf-8")
+    meta = data.prepare_generation(tmp_path / "d", text_file=text)
+    assert all(meta["chars"][s] > 0 for s in data.SPLITS)
+    assert "Paragraph" in data.load_text(tmp_path / "d", "test")
+    with pytest.raises(data.DataError, match="kvserve data --task translate"):
+        data.load_pairs(tmp_path / "d", "test")
+    assert json.loads((tmp_path / "d" / "generate" / "meta.json").read_text())["source"] == str(text)
+
+
+@pytest.mark.slow
+def test_real_sources_are_fetched(tmp_path):
+    meta = data.prepare_translation(tmp_path)
+    assert meta["counts"]["train"] > 10000 and meta["counts"]["test"] > 500
+    gen = data.prepare_generation(tmp_path)
+    assert gen["chars"]["train"] > 4_000_000 and "hamlet" in sum(gen["works"].values(), [])
