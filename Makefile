@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ART ?= artifacts
 
-.PHONY: venv test test-slow serve bench data train export clean
+.PHONY: venv test test-slow serve bench data clean deploy-check
 
 $(BIN)/kvserve-installed.stamp: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,3 +32,7 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+deploy-check: venv
+	$(BIN)/python deploy/gen_rayservice.py --check
+	$(BIN)/python deploy/validate.py

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Generate the Kubernetes and image Serve configs from deploy/serve_config.yaml: never copy them by hand.
+
+Owns the *only* differences between the Serve config a checkout runs (`deploy/serve_config.yaml`, owned by
+serving/) and what runs in images and on Kubernetes. Every difference is an explicit, tested override:
+
+1. Bundles: `args.artifacts_dir` becomes /models and each model's `bundle` its last path component, so
+   `artifacts/bundles/translate` in a checkout is `/models/translate` in an image (baked in or mounted).
+2. HTTP: the proxy listens on 0.0.0.0:8000, where KubeRay's Serve service and probes expect it.
+3. The head takes no replicas: the head pod starts with num-cpus 0, and every deployment here asks for
+   some CPU (the ingress 0.25), so Ray can never place a replica there.
+4. Autoscaling: each deployment gets an `autoscaling_config` instead of a fixed `num_replicas`, so Serve
+   asks for replicas under load and the KubeRay autoscaler adds worker pods to hold them.
+5. ONNX Runtime provider named, never `auto`: the GPU variant runs provider=cuda (a broken CUDA setup
+   fails at replica start instead of silently falling back to the CPU) and gives each model replica half
+   a GPU (two models share one GPU per worker pod); the CPU variant runs provider=cpu.
+
+Writes (and with --check only compares):
+- deploy/k8s/base/rayservice.yaml            rayservice.template.yaml + serveConfigV2 (GPU variant)
+- deploy/k8s/overlays/cpu/serve-config-v2.yaml  a JSON patch replacing serveConfigV2 (CPU variant)
+- deploy/docker/serve_config.{gpu,cpu}.yaml  the image's default config for `serve run`
+
+Not here: the cluster shape (deploy/k8s/rayservice.template.yaml), validation (deploy/validate.py).
+Run from anywhere: `python deploy/gen_rayservice.py [--check]`.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEPLOY = Path(__file__).resolve().parent
+SERVE_CONFIG = DEPLOY / "serve_config.yaml"
+TEMPLATE = DEPLOY / "k8s" / "rayservice.template.yaml"
+PLACEHOLDER = "__SERVE_CONFIG_V2__"
+KVSERVE_IMPORT_PATH = "serving.app:build_app"
+INGRESS = "ingress"
+
+
+
+class Variant(str, Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+# --- the overrides, as data (tests read these) -------------------------------------------------------
+IMAGE_MODELS_DIR = "/models"
+HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000}
+INGRESS_NUM_CPUS = 0.25
+GPU_PER_MODEL_REPLICA = 0.5
+PROVIDER = {Variant.GPU: "cuda", Variant.CPU: "cpu"}
+MODEL_AUTOSCALING: dict[str, Any] = {
+    "min_replicas": 1,
+    "max_replicas": 4,
+    "target_ongoing_requests": 24,
+    "upscale_delay_s": 10,
+    "downscale_delay_s": 300,
+}
+INGRESS_AUTOSCALING: dict[str, Any] = {
+    "min_replicas": 1,
+    "max_replicas": 4,
+    "target_ongoing_requests": 256,
+    "upscale_delay_s": 10,
+    "downscale_delay_s": 300,
+}
+
+
+def load_serve_config(path: Path = SERVE_CONFIG) -> dict[str, Any]:
+    """The checkout's Serve config as a dict (serving/ validates its meaning; we only transform it)."""
+    with open(path, encoding="utf-8") as f:
+        cfg = yaml.safe_load(f)
+    if not isinstance(cfg, dict) or not cfg.get("applications"):
+        raise ValueError(f"{path}: expected a Serve config with an 'applications' list")
+    return cfg
+
+
+def image_serve_config(cfg: dict[str, Any], variant: Variant) -> dict[str, Any]:
+    """The Serve config for images and Kubernetes: `cfg` with the overrides in this module's docstring."""
+    out = copy.deepcopy(cfg)
+    out["http_options"] = {**out.get("http_options", {}), **HTTP_OPTIONS}
+    kvserve_apps = [a for a in out["applications"] if a.get("import_path") == KVSERVE_IMPORT_PATH]
+    if not kvserve_apps:
+        raise ValueError(f"no application with import_path {KVSERVE_IMPORT_PATH!r} in the Serve config")
+    for app in kvserve_apps:
+        models = _rewrite_bundles(app)
+        for dep in app.get("deployments", []):
+            _override_deployment(dep, is_model=dep["name"] in models, variant=variant)
+        for model in app["args"]["models"]:
+            model.setdefault("engine", {})["provider"] = PROVIDER[variant]
+    return out
+
+
+def _rewrite_bundles(app: dict[str, Any]) -> set[str]:
+    args = app.setdefault("args", {})
+    args["artifacts_dir"] = IMAGE_MODELS_DIR
+    names = set()
+    for model in args.get("models", []):
+        model["bundle"] = Path(model["bundle"]).name
+        names.add(model["name"])
+    return names
+
+
+def _override_deployment(dep: dict[str, Any], is_model: bool, variant: Variant) -> None:
+    dep.pop("num_replicas", None)
+    dep["autoscaling_config"] = dict(MODEL_AUTOSCALING if is_model else INGRESS_AUTOSCALING)
+    opts = dep.setdefault("ray_actor_options", {})
+    if dep["name"] == INGRESS:
+        opts["num_cpus"] = INGRESS_NUM_CPUS
+    elif not opts.get("num_cpus"):
+        raise ValueError(f"deployment {dep['name']!r} asks for no CPU; on Kubernetes it could land on the head")
+    if is_model and variant is Variant.GPU:
+        opts["num_gpus"] = GPU_PER_MODEL_REPLICA
+
+
+def dump_serve_config(cfg: dict[str, Any]) -> str:
+    """The canonical text of a Serve config (what serveConfigV2 holds)."""
+    return yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False, width=100)
+
+
+def _indent(text: str, spaces: int) -> str:
+    pad = " " * spaces
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+def render_rayservice(serve_config_v2: str, template: Path = TEMPLATE) -> str:
+    """The RayService manifest: the template with serveConfigV2 filled in as a YAML block scalar."""
+    lines = template.read_text(encoding="utf-8").splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if PLACEHOLDER in line]
+    if len(hits) != 1:
+        raise ValueError(f"{template}: expected exactly one {PLACEHOLDER} line, found {len(hits)}")
+    line = lines[hits[0]]
+    indent = len(line) - len(line.lstrip())
+    key = line.strip().split(":", 1)[0]
+    lines[hits[0]] = f"{' ' * indent}{key}: |\n{_indent(serve_config_v2, indent + 2)}"
+    header = ("# GENERATED by deploy/gen_rayservice.py from deploy/k8s/rayservice.template.yaml and\n"
+              "# deploy/serve_config.yaml. Do not edit: edit those and run `python deploy/gen_rayservice.py`.\n")
+    body = "".join(lines)
+    while body.startswith("#"):  # the template's own header comment describes the template
+        body = body.split("\n", 1)[1]
+    return header + body
+
+
+def render_cpu_patch(serve_config_v2: str) -> str:
+    """A JSON 6902 patch (for the cpu kustomize overlay) that swaps in the CPU variant's serveConfigV2."""
+    ops = [{"op": "replace", "path": "/spec/serveConfigV2", "value": serve_config_v2}]
+    return ("# GENERATED by deploy/gen_rayservice.py (CPU variant of serveConfigV2). Do not edit.\n"
+            + yaml.dump(ops, Dumper=_LiteralDumper, sort_keys=False, width=100))
+
+
+class _LiteralDumper(yaml.SafeDumper):
+    """Dumps multi-line strings as `|` blocks so the embedded config stays readable in review."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_LiteralDumper.add_representer(str, _str_representer)
+
+
+def outputs(serve_config: Path = SERVE_CONFIG) -> dict[Path, str]:
+    """Every generated file and its content."""
+    cfg = load_serve_config(serve_config)
+    gpu = dump_serve_config(image_serve_config(cfg, Variant.GPU))
+    cpu = dump_serve_config(image_serve_config(cfg, Variant.CPU))
+    image_header = ("# GENERATED by deploy/gen_rayservice.py from deploy/serve_config.yaml: the image's default\n"
+                    "# Serve config (`serve run /etc/kvserve/serve_config.yaml`). Do not edit.\n")
+    return {
+        DEPLOY / "k8s" / "base" / "rayservice.yaml": render_rayservice(gpu),
+        DEPLOY / "k8s" / "overlays" / "cpu" / "serve-config-v2.yaml": render_cpu_patch(cpu),
+        DEPLOY / "docker" / "serve_config.gpu.yaml": image_header + gpu,
+        DEPLOY / "docker" / "serve_config.cpu.yaml": image_header + cpu,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated file is stale; write nothing")
+    parser.add_argument("--serve-config", type=Path, default=SERVE_CONFIG, help="source Serve config")
+    opts = parser.parse_args(argv)
+    stale = []
+    for path, text in outputs(opts.serve_config).items():
+        current = path.read_text(encoding="utf-8") if path.exists() else None
+        if current == text:
+            continue
+        stale.append(path)
+        if not opts.check:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    for path in stale:
+        verb = "stale" if opts.check else "wrote"
+        print(f"{verb}: {path.relative_to(DEPLOY.parent)}", file=sys.stderr if opts.check else sys.stdout)
+    if opts.check and stale:
+        print("run `python deploy/gen_rayservice.py` and commit the result", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

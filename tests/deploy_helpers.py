@@ -1,0 +1,65 @@
+"""Shared by tests/test_deploy*.py: load the deploy/ scripts (plain scripts, not a package) as modules,
+and render the kustomize overlays once per test session."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+OVERLAYS = ("gpu", "cpu", "gpu-volume")
+
+
+@functools.lru_cache(maxsize=None)
+def load(relpath: str) -> ModuleType:
+    """Import deploy/<relpath>.py once, under a name that cannot clash with other modules."""
+    name = "kvserve_deploy_" + relpath.replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, DEPLOY / f"{relpath}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def rendered_lite(overlay: str) -> tuple[dict[str, Any], ...]:
+    """An overlay rendered by the Python subset of kustomize (always available)."""
+    return tuple(load("kustomize_lite").render_lite(DEPLOY / "k8s" / "overlays" / overlay))
+
+
+def by_kind(docs: tuple[dict[str, Any], ...], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+DASHBOARD = DEPLOY / "grafana" / "kvserve-dashboard.json"
+# A metric name in PromQL as the dashboard writes it: always followed by a {label selector}.
+_SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{")
+
+
+def dashboard_exprs() -> list[str]:
+    """Every PromQL expression of the Grafana dashboard (panel targets and templating queries)."""
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        query = var.get("query")
+        if isinstance(query, dict):
+            exprs.append(query["query"])
+    return exprs
+
+
+def dashboard_metric_names_in(expr: str) -> set[str]:
+    """The metric names one expression queries (label_values(metric, label) included)."""
+    names = set(_SELECTOR.findall(expr))
+    return names | set(re.findall(r"label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[,{]", expr))
+
+
+def dashboard_metric_names() -> set[str]:
+    """The metric names the dashboard queries."""
+    return set().union(*(dashboard_metric_names_in(e) for e in dashboard_exprs()))

