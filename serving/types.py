@@ -36,6 +36,7 @@ class SamplingParams:
     beam_size: int = 1  # > 1: beam search (encoder-decoder models), greedy within beams
     length_penalty: float = 1.0  # beam score = logprob / len**length_penalty
     n_best: int = 1  # hypotheses returned by beam search (<= beam_size)
+    ignore_eos: bool = False  # benchmarks: eos does not stop the request (it runs to max_new_tokens)
 
 
 @dataclass

@@ -1,0 +1,32 @@
+"""Test helpers shared by the engine tests: run requests through an engine and collect their events."""
+from __future__ import annotations
+
+import asyncio
+
+from serving.engine import Engine
+from serving.types import FinishReason, GenerationRequest, TokenEvent
+
+
+async def collect(handle) -> list[TokenEvent]:
+    return [event async for event in handle]
+
+
+async def run_all(engine: Engine, reqs: list[GenerationRequest]) -> list[list[TokenEvent]]:
+    """Submit all at once (they run concurrently) and wait for every stream to end."""
+    handles = [engine.submit(r) for r in reqs]
+    return list(await asyncio.gather(*(collect(h) for h in handles)))
+
+
+async def run_alone(engine: Engine, reqs: list[GenerationRequest]) -> list[list[TokenEvent]]:
+    """Each request on its own, one after the other."""
+    return [(await run_all(engine, [r]))[0] for r in reqs]
+
+
+def tokens(events: list[TokenEvent]) -> list[int]:
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def outcome(events: list[TokenEvent]) -> tuple[list[int], FinishReason | None]:
+    assert events and events[-1].finish_reason is not None
+    assert all(e.finish_reason is None for e in events[:-1])
+    return tokens(events), events[-1].finish_reason

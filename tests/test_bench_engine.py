@@ -1,0 +1,27 @@
+"""serving/bench_engine.py: a short run on the tiny exported LM gives a complete, consistent report."""
+import json
+
+import numpy as np
+
+from engine_bundle import cached_bundle
+from serving.bench_engine import main
+
+
+def test_benchmark_runs_every_mode_on_the_same_workload_and_prints_a_table(tmp_path, capsys):
+    bundle, _ = cached_bundle("generate")
+    out = tmp_path / "bench.json"
+    assert main([str(bundle), "--out", str(out), "--concurrency", "1", "4", "--rounds", "1",
+                 "--requests-per-client", "2", "--min-new", "4", "--max-new", "12"]) == 0
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert {(r["mode"], r["concurrency"]) for r in runs} == {(m, c) for m in ("continuous", "request", "none")
+                                                            for c in (1, 4)}
+    for c in (1, 4):
+        tokens = {r["tokens"] for r in runs if r["concurrency"] == c}
+        assert tokens == {int(np.linspace(4, 12, 2 * c).round().sum())}  # every request ran to its length
+    none4 = next(r for r in runs if r["mode"] == "none" and r["concurrency"] == 4)
+    assert none4["mean_rows_per_step"] == 1.0
+    table = capsys.readouterr().out
+    assert table.count("\n| 4 |") == 3 and "continuous speedup" in table
+    assert main(["--table", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == table.strip()
