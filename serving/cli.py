@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--preset", default="small", choices=("tiny", "small", "base"))
     u.set_defaults(func=_cmd_up)
 
-    for module in ("export.cli", "serving.serve_cli", "loadtest.cli", "serving.bench"):
+    for module in ("export.cli", "serving.serve_cli", "loadtest.cli", "loadtest.bench"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -1,0 +1,207 @@
+"""Parity of a bundle against the PyTorch model it was exported from.
+
+Owns: `TorchRuntime` (the PyTorch model behind the ModelRuntime interface, so both backends decode through
+the same greedy loop of export/evaluate.py), the lockstep check (both backends fed the reference's greedy
+tokens: logits max-abs at every step, and the first step where the bundle's own argmax would differ, i.e.
+whether its greedy output is identical), synthetic parity at export time (random token ids, batch sizes and
+lengths other than the traced ones, right-padded mixed-length batches), and the full-size check on real
+data:
+
+    python -m export.parity BUNDLE CHECKPOINT --sentences 200     # prints JSON
+
+Does not own: the runtime (serving/runtime.py), evaluation metrics (export/evaluate.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from export.evaluate import (DEFAULT_DATA_DIR, StepRuntime, greedy_decode, lm_chunks, nll_bits, prompt_ids,
+                             scores, source_ids, start_batch, translate_texts)
+from model.transformer import DecoderOnlyLM, EncoderDecoder
+
+FP32_TOLERANCE = 1e-4  # max-abs logits difference accepted for the fp32 variant
+LM_PARITY_CHARS = 50_000  # test-split characters scored by both backends for the LM's bits-per-char delta
+
+
+class TorchRuntime:
+    """The PyTorch model (eager, KV cache) with ModelRuntime's encode/step interface."""
+
+    def __init__(self, model: EncoderDecoder | DecoderOnlyLM, n_slots: int, special_ids: dict[str, int]) -> None:
+        self.model, self.n_slots, self.cfg = model.eval(), n_slots, model.cfg
+        self.is_encoder_decoder = isinstance(model, EncoderDecoder)
+        self.max_len = self.max_src_len = self.cfg.max_len
+        self.bos_id, self.eos_id, self.pad_id = special_ids["bos"], special_ids["eos"], special_ids["pad"]
+        self.caches = model.decoder.empty_cache(n_slots)
+        if self.is_encoder_decoder:
+            self.cross = model.decoder.empty_cache(n_slots)  # same shape: (slots, H, max_len, Dh)
+            self.src_len = torch.zeros(n_slots, dtype=torch.long)
+
+    @torch.no_grad()
+    def encode(self, start: int, sources: list[list[int]]) -> None:
+        lens = torch.tensor([len(s) for s in sources])
+        src = torch.full((len(sources), int(lens.max())), self.pad_id, dtype=torch.long)
+        for i, s in enumerate(sources):
+            src[i, : len(s)] = torch.tensor(s)
+        for (ck, cv), (k, v) in zip(self.cross, self.model.cross_kv(self.model.encode(src, lens))):
+            ck[start : start + len(sources), :, : k.shape[2]] = k
+            cv[start : start + len(sources), :, : v.shape[2]] = v
+        self.src_len[start : start + len(sources)] = lens
+
+    @torch.no_grad()
+    def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray) -> np.ndarray:
+        rows = slice(start, start + len(input_ids))
+        args = [torch.from_numpy(np.asarray(a, np.int64)) for a in (input_ids, input_len, write_pos)]
+        caches = [(k[rows], v[rows]) for k, v in self.caches]
+        if self.is_encoder_decoder:
+            cross = [(k[rows], v[rows]) for k, v in self.cross]
+            logits, new = self.model.step(*args, caches, cross, self.src_len[rows])
+        else:
+            logits, new = self.model.step(*args, caches)
+        for (k, v), (nk, nv) in zip(self.caches, new):
+            k[rows], v[rows] = nk, nv
+        return logits.float().numpy()
+
+
+def lockstep(ref: StepRuntime, test: StepRuntime, inputs: Sequence[Sequence[int]], steps: int = 20,
+             start: int = 0) -> dict[str, Any]:
+    """Feed both backends the reference's greedy tokens for `steps` steps (after the prefill step).
+
+    Returns the max-abs logits difference per step and, per row, whether the test backend's own argmax
+    matched the reference's token at every step up to the reference's eos (then its greedy output is
+    identical, token for token, within these steps)."""
+    a_logits, pos = start_batch(ref, inputs, start)
+    b_logits, _ = start_batch(test, inputs, start)
+    n = len(inputs)
+    per_step, agree, done = [], np.ones(n, bool), np.zeros(n, bool)
+    for t in range(steps + 1):
+        per_step.append(float(np.abs(a_logits - b_logits).max()))
+        tok = a_logits.argmax(-1)
+        agree &= done | (b_logits.argmax(-1) == tok)
+        done |= tok == ref.eos_id
+        if t == steps or pos.max() + 1 > ref.max_len:
+            break
+        ids, one = tok[:, None].astype(np.int64), np.ones(n, np.int64)
+        a_logits, b_logits = ref.step(start, ids, one, pos), test.step(start, ids, one, pos)
+        pos = pos + 1
+    return {"rows": n, "steps": len(per_step) - 1, "logits_max_abs": max(per_step),
+            "per_step_max_abs": [float(f"{x:.3g}") for x in per_step], "rows_greedy_identical": int(agree.sum())}
+
+
+def synthetic_inputs(vocab: int, lengths: Sequence[int], seed: int, bos: int | None) -> list[list[int]]:
+    """Random token ids (specials excluded) of the given lengths; LM prompts start with bos."""
+    g = np.random.default_rng(seed)
+    rows = [g.integers(4, vocab, n).tolist() for n in lengths]
+    return [[bos, *r[1:]] for r in rows] if bos is not None else rows
+
+
+# Batch sizes and lengths other than the traced ones (batch 3, 4 new tokens, 5 source tokens).
+SYNTHETIC_BATCHES = ((1, (6,)), (2, (2, 9)), (5, (7, 1, 12, 3, 8)), (7, (11, 2, 6, 13, 4, 9, 1)))
+
+
+def synthetic_parity(model: EncoderDecoder | DecoderOnlyLM, rt: StepRuntime, special_ids: dict[str, int],
+                     steps: int = 20) -> dict[str, Any]:
+    """Lockstep parity on random inputs at several batch sizes with right-padded mixed lengths."""
+    ref = TorchRuntime(model, rt.n_slots, special_ids)
+    bos = None if ref.is_encoder_decoder else special_ids["bos"]
+    results = []
+    for i, (batch, lengths) in enumerate(SYNTHETIC_BATCHES):
+        if batch > rt.n_slots:
+            continue
+        inputs = synthetic_inputs(model.cfg.vocab_size, [max(1, n) for n in lengths], seed=i, bos=bos)
+        results.append({"batch": batch, **lockstep(ref, rt, inputs, steps, start=rt.n_slots - batch)})
+    return {"steps": steps, "logits_max_abs": max(r["logits_max_abs"] for r in results),
+            "rows": sum(r["rows"] for r in results),
+            "rows_greedy_identical": sum(r["rows_greedy_identical"] for r in results), "batches": results}
+
+
+def real_parity(bundle_dir: Path, checkpoint_dir: Path, n: int, data_dir: str, batch_size: int = 16,
+                steps: int = 20, provider: str = "auto", threads: int | None = None) -> dict[str, Any]:
+    """Full-size parity on the test split: lockstep logits, identical greedy outputs, quality delta."""
+    from export.bundle import load_bundle
+    from model import data
+    from model.checkpoint import load_checkpoint
+    from serving.runtime import ModelRuntime
+
+    bundle, ckpt = load_bundle(bundle_dir), load_checkpoint(checkpoint_dir)
+    tok = ckpt.tokenizer
+    rt = ModelRuntime(bundle, batch_size, provider=provider, intra_op_threads=threads)
+    ref = TorchRuntime(ckpt.model, batch_size, tok.special_ids)
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"bundle": str(bundle_dir), "checkpoint": str(checkpoint_dir), "task": bundle.task,
+                           "variant": bundle.variant.value, "provider": rt.provider}
+    if bundle.task == "translate":
+        pairs = data.load_pairs(data_dir, "test")[:n]
+        inputs = [source_ids(tok, s, rt.max_src_len) for s, _ in pairs]
+    else:
+        text = data.load_text(data_dir, "test")
+        inputs = [prompt_ids(tok, p) for p in data.lm_prompts(text, n)]
+    out["lockstep"] = _batched_lockstep(ref, rt, inputs, batch_size, steps)
+    out["greedy"] = _greedy_equality(ref, rt, inputs, batch_size)
+    if bundle.task == "translate":
+        refs = [t for _, t in pairs]
+        q_ref = scores(translate_texts(ref, tok, [s for s, _ in pairs], batch_size), refs)
+        q_bun = scores(translate_texts(rt, tok, [s for s, _ in pairs], batch_size), refs)
+        out["quality"] = {"sentences": len(pairs), "chrf_torch": q_ref["chrf"], "chrf_bundle": q_bun["chrf"],
+                          "chrf_delta": round(q_bun["chrf"] - q_ref["chrf"], 3), "bleu_torch": q_ref["bleu"],
+                          "bleu_bundle": q_bun["bleu"]}
+    else:
+        text = data.load_text(data_dir, "test")[:LM_PARITY_CHARS]
+        chunks, chars = lm_chunks(tok, text, rt.max_len), len(text)
+        b_ref, b_bun = nll_bits(ref, chunks, batch_size) / chars, nll_bits(rt, chunks, batch_size) / chars
+        out["quality"] = {"chars": chars, "bpc_torch": round(b_ref, 4), "bpc_bundle": round(b_bun, 4),
+                          "bpc_delta": round(b_bun - b_ref, 4)}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _batched_lockstep(ref: StepRuntime, rt: StepRuntime, inputs: list[list[int]], batch: int,
+                      steps: int) -> dict[str, Any]:
+    parts = [lockstep(ref, rt, inputs[i : i + batch], steps) for i in range(0, len(inputs), batch)]
+    return {"rows": len(inputs), "steps": steps, "logits_max_abs": max(p["logits_max_abs"] for p in parts),
+            "rows_greedy_identical": sum(p["rows_greedy_identical"] for p in parts)}
+
+
+def _greedy_equality(ref: StepRuntime, rt: StepRuntime, inputs: list[list[int]], batch: int) -> dict[str, Any]:
+    # translation: as model/decode.py; LM: 64 new tokens (greedy_decode also stops where the cache ends)
+    budget = ref.max_len - 1 if ref.is_encoder_decoder else 64
+    a = greedy_decode(ref, inputs, budget, batch)
+    b = greedy_decode(rt, inputs, budget, batch)
+    same = sum(x == y for x, y in zip(a, b))
+    return {"inputs": len(inputs), "max_new_tokens": budget, "identical": same,
+            "identical_fraction": round(same / max(len(inputs), 1), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m export.parity",
+                                description="Parity of a bundle against its PyTorch checkpoint on the test split; "
+                                            "prints JSON.")
+    p.add_argument("bundle", type=Path, help="bundle directory (kvserve export --out)")
+    p.add_argument("checkpoint", type=Path, help="checkpoint directory the bundle was exported from")
+    p.add_argument("--sentences", type=int, default=200, help="test sentences (translation) or prompts (LM)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="data directory of `kvserve data`")
+    p.add_argument("--steps", type=int, default=20, help="lockstep decode steps per row")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--provider", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default 1)")
+    a = p.parse_args(argv)
+    if a.sentences < 1 or a.batch_size < 1 or a.steps < 1:
+        p.error(f"--sentences, --batch-size and --steps must be >= 1 (got {a.sentences}, {a.batch_size}, {a.steps})")
+    torch.set_num_threads(a.threads or 1)
+    result = real_parity(a.bundle, a.checkpoint, a.sentences, a.data_dir, a.batch_size, a.steps, a.provider,
+                         a.threads)
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,319 @@
+"""The model runtime: ONNX Runtime sessions of one bundle and the KV-cache slots they run on.
+
+Owns: provider choice (CUDA EP only where onnxruntime has it and a GPU is visible, else the CPU EP),
+session options (threads set explicitly), the preallocated slot buffers (per decoder layer, self-attention
+keys/values `[n_slots, H, M, Dh]` and, for translation, cross-attention keys/values
+`[n_slots, H, max_src_len, Dh]` plus each slot's source length), and four operations on slots:
+`encode` (encoder run, cross keys/values written into slots), `step` (one decoder step on contiguous
+slots, KV updated in place through IOBinding: past and present bound to the same rows), `copy_slots`
+(beam reordering, compaction) and `reset_slots`.
+
+Slot data never leaves the device: rows [start, start+n) are bound by pointer (a view, no copy); slot
+copies and the placement of encoder outputs run as two tiny ONNX graphs (Gather+ScatterND, TensorScatter)
+bound in place, so the same code path serves the CPU and CUDA EPs.
+
+TORCH-FREE (numpy + onnxruntime + onnx.helper). Does not own: scheduling, sampling, tokenization
+(serving/engine*), bundle verification (export/bundle.py).
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from export.bundle import Bundle, check_graph_io
+from export.contract import cross_key, cross_value, past_key, past_value, present_key, present_value
+
+CPU_EP, CUDA_EP = "CPUExecutionProvider", "CUDAExecutionProvider"
+_PROVIDER_ALIASES = {"cpu": CPU_EP, "cuda": CUDA_EP, CPU_EP: CPU_EP, CUDA_EP: CUDA_EP}
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+_HELPER_OPSET = 24
+
+
+def gpu_visible() -> bool:
+    """True when onnxruntime has the CUDA EP and the CUDA driver sees a device (CUDA_VISIBLE_DEVICES is
+    honoured by the driver). Asks the driver directly, so no failing CUDA session is ever attempted."""
+    if CUDA_EP not in ort.get_available_providers():
+        return False
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+
+
+def choose_provider(requested: str) -> str:
+    """"auto" -> CUDA EP if a GPU is usable, else CPU EP; "cpu"/"cuda" or a full EP name force one."""
+    if requested == "auto":
+        return CUDA_EP if gpu_visible() else CPU_EP
+    if requested not in _PROVIDER_ALIASES:
+        raise ValueError(f"provider {requested!r} is not supported; use one of "
+                         f"{['auto', *_PROVIDER_ALIASES]}")
+    ep = _PROVIDER_ALIASES[requested]
+    if ep == CUDA_EP and not gpu_visible():
+        raise ValueError("provider 'cuda' was requested but no GPU is visible to onnxruntime "
+                         f"(available providers: {ort.get_available_providers()}); use 'auto' or 'cpu'")
+    return ep
+
+
+def _slot_copy_graph(names: list[str], elem: int) -> bytes:
+    """out_j = ScatterND(buf_j, dst[:, None], Gather(buf_j, src)): rows dst[i] <- src[i], overlap-safe
+    because every Gather runs before its ScatterND writes."""
+    nodes, inputs, outputs = [helper.make_node("Unsqueeze", ["dst", "axis0"], ["dst2"])], [], []
+    for j, n in enumerate(names):
+        nodes += [helper.make_node("Gather", [n, "src"], [f"rows_{j}"], axis=0),
+                  helper.make_node("ScatterND", [n, "dst2", f"rows_{j}"], [f"out_{n}"])]
+        inputs.append(helper.make_tensor_value_info(n, elem, None))
+        outputs.append(helper.make_tensor_value_info(f"out_{n}", elem, None))
+    inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, ["k"]) for k in ("src", "dst")]
+    axis0 = helper.make_tensor("axis0", TensorProto.INT64, [1], [1])
+    graph = helper.make_graph(nodes, "kvserve_slot_copy", inputs, outputs, initializer=[axis0])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _HELPER_OPSET)]).SerializeToString()
+
+
+def _slot_place_graph(names: list[str], elem: int) -> bytes:
+    """out_j = TensorScatter(buf_j, upd_j, pos) on axis 2: the encoder's (n, H, S, Dh) outputs written
+    at position 0 of (n, H, max_src_len, Dh) slot rows, in place."""
+    nodes, inputs, outputs = [], [], []
+    for n in names:
+        nodes.append(helper.make_node("TensorScatter", [n, f"upd_{n}", "pos"], [f"out_{n}"], axis=2))
+        inputs += [helper.make_tensor_value_info(n, elem, None),
+                   helper.make_tensor_value_info(f"upd_{n}", elem, None)]
+        outputs.append(helper.make_tensor_value_info(f"out_{n}", elem, None))
+    inputs.append(helper.make_tensor_value_info("pos", TensorProto.INT64, ["n"]))
+    graph = helper.make_graph(nodes, "kvserve_slot_place", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _HELPER_OPSET)]).SerializeToString()
+
+
+class _SlotBuffer:
+    """One preallocated [n_slots, ...] device tensor whose row ranges are bound by pointer."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: str) -> None:
+        # Zeros, not uninitialized memory: a NaN bit pattern in a masked cache slot would poison softmax.
+        self.host = np.zeros(shape, dtype)
+        self.value = ort.OrtValue.ortvalue_from_numpy(self.host, device, 0)  # CPU: a view of self.host
+        if device != "cpu":
+            self.host = None  # the device holds the data; do not keep a stale host copy
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+
+    def ptr(self, start: int) -> int:
+        return self.value.data_ptr() + start * self.row_bytes
+
+    def bind(self, io: ort.IOBinding, name: str, start: int, n: int, output: bool = False) -> None:
+        shape = [n, *self.shape[1:]]
+        if output:
+            io.bind_output(name, self.device, 0, self.dtype, shape, self.ptr(start))
+        else:
+            io.bind_input(name, self.device, 0, self.dtype, shape, self.ptr(start))
+
+    def numpy(self) -> np.ndarray:
+        """The whole buffer on the host (a view on CPU, a copy from the device otherwise)."""
+        return self.host if self.host is not None else self.value.numpy()
+
+
+class ModelRuntime:
+    """Sessions + KV slots of one bundle. The engine owns which slot holds which request."""
+
+    def __init__(self, bundle: Bundle, n_slots: int, provider: str = "auto",
+                 intra_op_threads: int | None = None, max_src_len: int | None = None) -> None:
+        cfg = bundle.config
+        if n_slots < 1:
+            raise ValueError(f"n_slots={n_slots} must be >= 1")
+        self.bundle, self._n_slots = bundle, n_slots
+        self._provider = choose_provider(provider)
+        self._device = "cuda" if self._provider == CUDA_EP else "cpu"
+        self._threads = 1 if intra_op_threads is None else intra_op_threads
+        if self._threads < 1:
+            raise ValueError(f"intra_op_threads={intra_op_threads} must be >= 1 (or None for 1)")
+        self._n_layers, self._max_len, self._vocab = cfg.n_decoder_layers, cfg.max_len, cfg.vocab_size
+        self._max_src_len = cfg.max_len if max_src_len is None else max_src_len
+        if not 1 <= self._max_src_len <= cfg.max_len:
+            raise ValueError(f"max_src_len={max_src_len} must be in [1, {cfg.max_len}] (the model's max_len)")
+        self._dtype = np.dtype(bundle.variant.float_dtype)
+        elem = helper.np_dtype_to_tensor_dtype(self._dtype)
+
+        self._decoder = self._session(bundle.read_graph("decoder"), "decoder")
+        self._encoder = self._session(bundle.read_graph("encoder"), "encoder") if bundle.is_encoder_decoder else None
+        kv = (n_slots, cfg.n_heads, cfg.max_len, cfg.head_dim)
+        self._self_kv = {n: _SlotBuffer(kv, self._dtype, self._device)
+                         for i in range(self._n_layers) for n in (past_key(i), past_value(i))}
+        self._cross_kv: dict[str, _SlotBuffer] = {}
+        if self._encoder is not None:
+            ckv = (n_slots, cfg.n_heads, self._max_src_len, cfg.head_dim)
+            self._cross_kv = {n: _SlotBuffer(ckv, self._dtype, self._device)
+                              for i in range(self._n_layers) for n in (cross_key(i), cross_value(i))}
+            self._place = self._session(_slot_place_graph(list(self._cross_kv), elem), None)
+        self._src_len = np.zeros(n_slots, np.int64)  # 0 = no source encoded in this slot
+        self._copy = self._session(_slot_copy_graph([*self._self_kv, *self._cross_kv], elem), None)
+
+    # ---- properties the engine reads -------------------------------------------------------------------
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self._encoder is not None
+
+    @property
+    def n_slots(self) -> int:
+        return self._n_slots
+
+    @property
+    def max_len(self) -> int:
+        """KV cache length M: write_pos + new tokens of a step may not exceed it."""
+        return self._max_len
+
+    @property
+    def max_src_len(self) -> int:
+        return self._max_src_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def bos_id(self) -> int:
+        return self.bundle.special_ids["bos"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.bundle.special_ids["eos"]
+
+    @property
+    def pad_id(self) -> int:
+        return self.bundle.special_ids["pad"]
+
+    @property
+    def provider(self) -> str:
+        return self._provider
+
+    # ---- operations ------------------------------------------------------------------------------------
+    def encode(self, start: int, sources: list[list[int]]) -> None:
+        """Run the encoder once on `sources` and store each one's cross keys/values and source length in
+        slots start, start+1, ... ."""
+        if self._encoder is None:
+            raise ValueError("encode() needs an encoder-decoder bundle; this one is a decoder-only LM")
+        n = len(sources)
+        self._check_rows(start, n)
+        lens = np.array([len(s) for s in sources], np.int64)
+        if lens.min() < 1 or lens.max() > self._max_src_len:
+            raise ValueError(f"source lengths must be in [1, max_src_len={self._max_src_len}]; got "
+                             f"{int(lens.min())}..{int(lens.max())} tokens")
+        ids = np.full((n, int(lens.max())), self.pad_id, np.int64)
+        for i, s in enumerate(sources):
+            ids[i, : len(s)] = s
+        io = self._encoder.io_binding()
+        io.bind_cpu_input("src_ids", ids)
+        io.bind_cpu_input("src_len", lens)
+        for name in self._cross_kv:
+            io.bind_output(name, self._device)
+        self._encoder.run_with_iobinding(io)
+        place = self._place.io_binding()
+        for name, out in zip(self._cross_kv, io.get_outputs()):
+            buf = self._cross_kv[name]
+            buf.bind(place, name, start, n)
+            buf.bind(place, f"out_{name}", start, n, output=True)
+            place.bind_ortvalue_input(f"upd_{name}", out)
+        place.bind_cpu_input("pos", np.zeros(n, np.int64))
+        self._place.run_with_iobinding(place)
+        self._src_len[start : start + n] = lens
+
+    def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray) -> np.ndarray:
+        """One decoder step on slots [start, start+n): returns float32 logits (n, V) of each row's last real
+        token; writes the new keys/values at write_pos[b] + i, in place."""
+        input_ids = np.ascontiguousarray(input_ids, np.int64)
+        input_len = np.ascontiguousarray(input_len, np.int64)
+        write_pos = np.ascontiguousarray(write_pos, np.int64)
+        n = self._check_step(start, input_ids, input_len, write_pos)
+        io = self._decoder.io_binding()
+        io.bind_output("logits")  # on the host (ORT copies it off the device); first of get_outputs()
+        io.bind_cpu_input("input_ids", input_ids)
+        io.bind_cpu_input("input_len", input_len)
+        io.bind_cpu_input("write_pos", write_pos)
+        for i in range(self._n_layers):
+            for past, present in ((past_key(i), present_key(i)), (past_value(i), present_value(i))):
+                self._self_kv[past].bind(io, past, start, n)
+                self._self_kv[past].bind(io, present, start, n, output=True)
+        if self._cross_kv:
+            for name, buf in self._cross_kv.items():
+                buf.bind(io, name, start, n)
+            io.bind_cpu_input("src_len", self._src_len[start : start + n].copy())
+        self._decoder.run_with_iobinding(io)
+        outs = io.get_outputs()
+        if outs[1].data_ptr() != self._self_kv[past_key(0)].ptr(start):
+            raise RuntimeError("onnxruntime did not write the KV cache into the bound buffer; the cache "
+                               "update was lost (is the decoder graph's KV update in place?)")
+        return outs[0].numpy().astype(np.float32, copy=False)
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """dst[i] <- src[i] for every KV row (and cross KV and source length); overlap-safe."""
+        src_a, dst_a = np.asarray(src, np.int64).reshape(-1), np.asarray(dst, np.int64).reshape(-1)
+        if src_a.shape != dst_a.shape:
+            raise ValueError(f"copy_slots: src has {src_a.size} slots, dst {dst_a.size}; they must match")
+        if src_a.size == 0:
+            return
+        for what, a in (("src", src_a), ("dst", dst_a)):
+            if a.min() < 0 or a.max() >= self._n_slots:
+                raise ValueError(f"copy_slots: {what} slots must be in [0, {self._n_slots}); got {a.tolist()}")
+        if len(set(dst_a.tolist())) != dst_a.size:
+            raise ValueError(f"copy_slots: dst slots must be distinct; got {dst_a.tolist()}")
+        io = self._copy.io_binding()
+        for name, buf in (*self._self_kv.items(), *self._cross_kv.items()):
+            buf.bind(io, name, 0, self._n_slots)
+            buf.bind(io, f"out_{name}", 0, self._n_slots, output=True)
+        io.bind_cpu_input("src", src_a)
+        io.bind_cpu_input("dst", dst_a)
+        self._copy.run_with_iobinding(io)
+        self._src_len[dst_a] = self._src_len[src_a]
+
+    def reset_slots(self, slots: Sequence[int]) -> None:
+        """Forget the sources of these slots (their KV rows are simply overwritten by the next prefill)."""
+        self._src_len[np.asarray(slots, np.int64)] = 0
+
+    def read_cache(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Self-attention keys and values of one layer, all slots (debugging, tests)."""
+        return self._self_kv[past_key(layer)].numpy(), self._self_kv[past_value(layer)].numpy()
+
+    def cache_ptr(self, layer: int, slot: int = 0) -> int:
+        """Device address of a slot's key row in one layer (tests check that steps never move it)."""
+        return self._self_kv[past_key(layer)].ptr(slot)
+
+    # ---- internals ---------------------------------------------------------------------------------------
+    def _session(self, model: bytes, contract_name: str | None) -> ort.InferenceSession:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self._threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.log_severity_level = 3  # errors only: step() itself checks that the KV update stayed in place
+        providers = [self._provider] if self._provider == CPU_EP else [(CUDA_EP, {"device_id": 0}), CPU_EP]
+        sess = ort.InferenceSession(model, so, providers=providers)
+        if contract_name is not None:
+            def io(args) -> list:
+                return [(a.name, _ORT_TYPES.get(a.type, a.type), a.shape) for a in args]
+            check_graph_io(self.bundle.contracts[contract_name], io(sess.get_inputs()), io(sess.get_outputs()),
+                           str(self.bundle.paths[contract_name]))
+        return sess
+
+    def _check_rows(self, start: int, n: int) -> None:
+        if n < 1 or start < 0 or start + n > self._n_slots:
+            raise ValueError(f"slots [{start}, {start + n}) are outside [0, n_slots={self._n_slots}) or empty")
+
+    def _check_step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray) -> int:
+        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be (n, T) with T >= 1; got shape {input_ids.shape}")
+        n, t = input_ids.shape
+        self._check_rows(start, n)
+        if input_len.shape != (n,) or write_pos.shape != (n,):
+            raise ValueError(f"input_len and write_pos must have shape ({n},); got {input_len.shape} "
+                             f"and {write_pos.shape}")
+        if input_len.min() < 1 or input_len.max() > t:
+            raise ValueError(f"input_len must be in [1, T={t}]; got {input_len.tolist()}")
+        if write_pos.min() < 0 or write_pos.max() + t > self._max_len:
+            raise ValueError(f"write_pos + T must stay within the KV cache (max_len={self._max_len}); got "
+                             f"write_pos max {int(write_pos.max())} with T={t}")
+        if self._cross_kv and self._src_len[start : start + n].min() < 1:
+            empty = [start + i for i in np.flatnonzero(self._src_len[start : start + n] < 1)]
+            raise ValueError(f"slots {empty} hold no encoded source: call encode() before step()")
+        return n

@@ -1,0 +1,143 @@
+"""Export of tiny random models: graphs, contracts, fp32 parity with PyTorch, greedy equality, the CLI."""
+import argparse
+
+import onnx
+import pytest
+
+from export.bundle import load_bundle
+from export.cli import ExportError, build_bundle, register
+from export.evaluate import greedy_decode
+from export.parity import FP32_TOLERANCE, SYNTHETIC_BATCHES, TorchRuntime, lockstep, synthetic_inputs
+from export.variants import count_ops
+from model.checkpoint import load_checkpoint
+from serving.runtime import ModelRuntime
+from tests.helpers_tiny import checkpoint_of, tiny_bundle, tiny_checkpoint
+
+TASKS = ("translate", "generate")
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    base = tmp_path_factory.mktemp("export")
+    return {task: tiny_bundle(base, task) for task in TASKS}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_graph_passes_onnx_checker_and_uses_fused_ops(bundles, task):
+    b = load_bundle(bundles[task])
+    assert set(b.paths) == ({"encoder", "decoder"} if task == "translate" else {"decoder"})
+    for name, path in b.paths.items():
+        onnx.checker.check_model(str(path), full_check=True)
+        ops = count_ops(path)
+        assert ops["Attention"] >= 1, f"{name}: SDPA did not become the ONNX Attention op: {ops}"
+    # one in-place KV write per cache (keys and values of each layer), no concat-style cache growth: the
+    # past caches feed TensorScatter and nothing that would copy them
+    ops = count_ops(b.paths["decoder"])
+    assert ops["TensorScatter"] == 2 * b.config.n_decoder_layers
+    graph = onnx.load(str(b.paths["decoder"])).graph
+    for past in (i.name for i in graph.input if i.name.startswith("past_")):
+        consumers = {n.op_type for n in graph.node if past in n.input}
+        assert consumers <= {"TensorScatter", "Shape"}, (past, consumers)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_fp32_logits_match_pytorch_at_every_step_untraced_shapes(bundles, task):
+    """Batch sizes 1, 2, 5, 7 and lengths 1..13 (traced: batch 3, 4 new tokens, 5 source tokens), right-padded
+    mixed lengths, 20 greedy steps, rows bound at an offset inside the slot pool."""
+    ck = load_checkpoint(checkpoint_of(bundles[task]))
+    rt = ModelRuntime(load_bundle(bundles[task]), n_slots=9, provider="cpu")
+    ref = TorchRuntime(ck.model, 9, ck.tokenizer.special_ids)
+    bos = None if task == "translate" else ck.tokenizer.bos_id
+    for i, (batch, lengths) in enumerate(SYNTHETIC_BATCHES):
+        inputs = synthetic_inputs(ck.config.vocab_size, lengths, seed=100 + i, bos=bos)
+        r = lockstep(ref, rt, inputs, steps=20, start=9 - batch)
+        assert r["steps"] == 20
+        assert max(r["per_step_max_abs"]) <= FP32_TOLERANCE, r
+        assert r["rows_greedy_identical"] == batch, r
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_greedy_outputs_identical_to_pytorch(bundles, task):
+    ck = load_checkpoint(checkpoint_of(bundles[task]))
+    tok = ck.tokenizer
+    rt = ModelRuntime(load_bundle(bundles[task]), n_slots=6, provider="cpu")
+    ref = TorchRuntime(ck.model, 6, tok.special_ids)
+    texts = ["Where is the cat?", "Good morning.", "The children read a book in the garden today.", "Tür",
+             "We go.", "Bitte!", "A cup of coffee, please."]
+    if task == "translate":
+        inputs = [tok.encode(t) for t in texts]
+    else:
+        inputs = [[tok.bos_id, *tok.encode(t)] for t in texts]
+    a = greedy_decode(ref, inputs, max_new_tokens=25, batch_size=6)  # batches of 6 and 1
+    b = greedy_decode(rt, inputs, max_new_tokens=25, batch_size=6)
+    assert a == b
+    assert sum(map(len, a)) > 7 * 5  # a random model does not stop at once: the comparison has substance
+
+
+def test_manifest_records_hashes_source_and_parity(bundles):
+    m = load_bundle(bundles["translate"]).manifest
+    assert set(m["files"]) == {"manifest.json", "tokenizer.json", "encoder.onnx", "decoder.onnx"} - {"manifest.json"}
+    assert all(len(h) == 64 for h in m["files"].values())
+    assert len(m["source"]["weights_sha256"]) == 64
+    assert m["tokenizer"]["special_ids"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
+    assert m["opset"] >= 24 and m["variant"] == "fp32"
+    syn = m["parity"]["synthetic_cpu"]
+    assert syn["logits_max_abs"] <= FP32_TOLERANCE and syn["rows_greedy_identical"] == syn["rows"] > 0
+
+
+def test_export_command_prints_report_and_refuses_to_overwrite_without_force(tmp_path, capsys):
+    ck = tiny_checkpoint(tmp_path / "ck", "generate", train_steps=0)
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["export", str(ck), "--out", str(out), "--threads", "1"])
+    with pytest.raises(ExportError, match="already exists.*--force"):
+        args.func(args)
+    assert (out / "precious.txt").read_text() == "keep me"
+    args = parser.parse_args(["export", str(ck), "--out", str(out), "--threads", "1", "--force"])
+    assert args.func(args) == 0
+    report = capsys.readouterr().out
+    assert "decoder.onnx" in report and "logits max-abs" in report and "timings" in report
+    assert not (out / "precious.txt").exists()
+    assert load_bundle(out).task == "generate"
+    assert not list(tmp_path.glob(".bundle.partial-*"))  # no temporary directory left behind
+
+
+def test_exported_opset_below_24_is_refused(tmp_path):
+    ck = tiny_checkpoint(tmp_path / "ck", "generate", train_steps=0)
+    with pytest.raises(ValueError, match="TensorScatter"):
+        build_bundle(ck, tmp_path / "b", opset=20)
+
+
+def _data_dir(tmp_path, task):
+    from tests.helpers_tiny import PAIRS
+
+    d = tmp_path / "data" / task
+    d.mkdir(parents=True)
+    if task == "translate":
+        pairs = PAIRS + [("Where is my book?", "Wo ist mein Buch?")]
+        (d / "test.tsv").write_text("".join(f"{e}\t{g}\n" for e, g in pairs))
+    else:
+        (d / "test.txt").write_text(" ".join(f"{e} {g}" for e, g in PAIRS) * 3)
+    return tmp_path / "data"
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_evaluate_bundle_gives_the_checkpoint_figures(bundles, task, tmp_path):
+    """`kvserve evaluate BUNDLE` (ONNX Runtime) reports what `kvserve evaluate CHECKPOINT` (PyTorch) does."""
+    from export.evaluate import evaluate_bundle
+    from model.evaluate import evaluate_checkpoint
+
+    data_dir = _data_dir(tmp_path, task)
+    got = evaluate_bundle(bundles[task], "test", None, data_dir)
+    want = evaluate_checkpoint(checkpoint_of(bundles[task]), "test", None, data_dir)
+    if task == "translate":
+        assert got["sentences"] == want["sentences"] == 9
+        assert got["chrf"] == want["chrf"] and got["bleu"] == want["bleu"]
+        assert got["chrf"] > 20  # the tiny model was fitted to these sentences: the check has substance
+    else:
+        assert got["chars"] == want["chars"] and got["tokens"] == want["tokens"]
+        assert got["bits_per_char"] == pytest.approx(want["bits_per_char"], abs=2e-4)
+        assert got["bits_per_char"] < 6

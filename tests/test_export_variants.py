@@ -1,0 +1,59 @@
+"""int8 and fp16 bundle variants: they build, pass their checks, load and decode."""
+import numpy as np
+import onnx
+import pytest
+
+from export.bundle import load_bundle
+from export.evaluate import greedy_decode
+from export.parity import TorchRuntime, lockstep, synthetic_inputs
+from export.variants import check_fp16, count_ops, float_types
+from model.checkpoint import load_checkpoint
+from serving.runtime import ModelRuntime
+from tests.helpers_tiny import checkpoint_of, tiny_bundle
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return tmp_path_factory.mktemp("variants")
+
+
+def test_int8_bundle_quantizes_matmuls_and_decodes_close_to_fp32(base):
+    path = tiny_bundle(base, "translate", "int8")
+    b = load_bundle(path)
+    assert b.variant.value == "int8" and b.manifest["parity"]["synthetic_cpu"]["rows"] > 0
+    for name, graph in b.paths.items():
+        onnx.checker.check_model(str(graph), full_check=True)
+        ops = count_ops(graph)
+        assert ops["MatMulInteger"] >= 4 and ops["DynamicQuantizeLinear"] >= 1, (name, ops)
+        assert ops["MatMul"] == 0, f"{name}: unquantized MatMul left: {ops}"
+    ck = load_checkpoint(checkpoint_of(path))
+    rt = ModelRuntime(b, n_slots=4, provider="cpu")
+    ref = TorchRuntime(ck.model, 4, ck.tokenizer.special_ids)
+    r = lockstep(ref, rt, synthetic_inputs(ck.config.vocab_size, (5, 2, 9), seed=3, bos=None), steps=10)
+    assert 1e-5 < r["logits_max_abs"] < 0.5, r  # quantized (not identical), yet close
+    out = greedy_decode(rt, [[5, 6, 7], [8, 9]], max_new_tokens=10)
+    assert [len(o) for o in out] == [10, 10] or all(o for o in out)
+
+
+def test_fp16_bundle_is_float16_throughout_and_runs_on_cpu(base):
+    path = tiny_bundle(base, "generate", "fp16")
+    b = load_bundle(path)
+    assert b.variant.value == "fp16"
+    assert b.contracts["decoder"]["inputs"][3]["dtype"] == "float16"
+    check_fp16(b.paths["decoder"])
+    assert float_types(b.paths["decoder"])["float16"] > 10
+    ck = load_checkpoint(checkpoint_of(path))
+    rt = ModelRuntime(b, n_slots=4, provider="cpu")  # ORT's CPU EP runs float16 graphs (slowly)
+    assert rt.read_cache(0)[0].dtype == np.float16
+    ref = TorchRuntime(ck.model, 4, ck.tokenizer.special_ids)
+    inputs = synthetic_inputs(ck.config.vocab_size, (4, 7, 1), seed=4, bos=ck.tokenizer.bos_id)
+    r = lockstep(ref, rt, inputs, steps=20)
+    # float16 keeps ~3 significant digits; these logits reach ~20, so 1e-2..3e-2 is the expected error
+    assert 1e-4 < r["logits_max_abs"] < 5e-2, r
+    assert r["rows_greedy_identical"] == 3, r
+
+
+def test_check_fp16_rejects_a_float32_graph(base):
+    path = tiny_bundle(base, "generate", "fp32")
+    with pytest.raises(ValueError, match="non-float16"):
+        check_fp16(load_bundle(path).paths["decoder"])

@@ -1,0 +1,156 @@
+"""serving/runtime.py on tiny bundles: in-place KV update, slot copies, argument checks, provider choice."""
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from export.bundle import load_bundle
+from export.contract import past_key, past_value, present_key, present_value
+from export.parity import TorchRuntime
+from model.checkpoint import load_checkpoint
+from serving.runtime import CPU_EP, ModelRuntime, choose_provider, gpu_visible
+from tests.helpers_tiny import checkpoint_of, tiny_bundle
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runtime")
+    return {task: tiny_bundle(base, task) for task in ("translate", "generate")}
+
+
+def test_present_is_past_buffer_updated_in_place_at_write_pos(bundles):
+    """Graph level: present bound to the past OrtValue comes back as the same buffer (same data pointer),
+    holding PyTorch's new keys/values at each row's write_pos and the old contents everywhere else."""
+    b = load_bundle(bundles["generate"])
+    cfg, ck = b.config, load_checkpoint(checkpoint_of(bundles["generate"]))
+    sess = ort.InferenceSession(b.read_graph("decoder"), providers=[CPU_EP])
+    n, t = 3, 2
+    g = np.random.default_rng(0)
+    past = {name: g.standard_normal((n, cfg.n_heads, cfg.max_len, cfg.head_dim)).astype(np.float32)
+            for i in range(cfg.n_decoder_layers) for name in (past_key(i), past_value(i))}
+    before = {k: v.copy() for k, v in past.items()}
+    values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in past.items()}
+    ids = g.integers(4, cfg.vocab_size, (n, t)).astype(np.int64)
+    write_pos, input_len = np.array([0, 5, 11]), np.array([2, 1, 2])
+    io = sess.io_binding()
+    io.bind_output("logits")
+    for i in range(cfg.n_decoder_layers):
+        for p, q in ((past_key(i), present_key(i)), (past_value(i), present_value(i))):
+            io.bind_ortvalue_input(p, values[p])
+            io.bind_ortvalue_output(q, values[p])
+    io.bind_cpu_input("input_ids", ids)
+    io.bind_cpu_input("input_len", input_len)
+    io.bind_cpu_input("write_pos", write_pos)
+    sess.run_with_iobinding(io)
+    outs = io.get_outputs()
+    names = [past_key(i) if j == 0 else past_value(i) for i in range(cfg.n_decoder_layers) for j in (0, 1)]
+    assert [o.data_ptr() for o in outs[1:]] == [values[k].data_ptr() for k in names]
+    caches = [(torch.from_numpy(before[past_key(i)]), torch.from_numpy(before[past_value(i)]))
+              for i in range(cfg.n_decoder_layers)]
+    with torch.no_grad():
+        logits, new = ck.model.step(torch.from_numpy(ids), torch.from_numpy(input_len),
+                                    torch.from_numpy(write_pos), caches)
+    np.testing.assert_allclose(outs[0].numpy(), logits.numpy(), atol=1e-4, rtol=0)
+    for i, (k, v) in enumerate(new):
+        for name, want in ((past_key(i), k.numpy()), (past_value(i), v.numpy())):
+            got = past[name]  # the numpy array the OrtValue wraps: changed in place
+            for r in range(n):
+                rows = slice(write_pos[r], write_pos[r] + t)
+                np.testing.assert_allclose(got[r, :, rows], want[r, :, rows], atol=1e-5, rtol=0)
+                assert not np.allclose(got[r, :, rows], before[name][r, :, rows])
+                keep = np.ones(cfg.max_len, bool)
+                keep[rows] = False
+                np.testing.assert_array_equal(got[r][:, keep], before[name][r][:, keep])
+
+
+def test_runtime_step_keeps_cache_addresses_and_writes_rows(bundles):
+    rt = ModelRuntime(load_bundle(bundles["generate"]), n_slots=4, provider="cpu")
+    ptrs = [rt.cache_ptr(i, s) for i in range(2) for s in range(4)]
+    k_before = rt.read_cache(0)[0].copy()
+    rt.step(1, np.array([[1, 40, 41], [1, 50, 0]]), np.array([3, 2]), np.array([0, 0]))
+    rt.step(1, np.array([[60], [61]]), np.array([1, 1]), np.array([3, 2]))
+    assert [rt.cache_ptr(i, s) for i in range(2) for s in range(4)] == ptrs
+    k = rt.read_cache(0)[0]
+    np.testing.assert_array_equal(k[[0, 3]], k_before[[0, 3]])  # rows outside [1, 3) untouched
+    assert np.abs(k[1, :, :4]).min() > 0 and np.abs(k[2, :, :3]).min() > 0
+
+
+@pytest.mark.parametrize("task", ["translate", "generate"])
+def test_copy_slots_overlapping_moves_whole_rows(bundles, task):
+    b = load_bundle(bundles[task])
+    ck = load_checkpoint(checkpoint_of(bundles[task]))
+    rt = ModelRuntime(b, n_slots=5, provider="cpu")
+    ref = TorchRuntime(ck.model, 5, ck.tokenizer.special_ids)
+    g = np.random.default_rng(1)
+    for r in (rt, ref):
+        if task == "translate":
+            r.encode(0, [g.integers(4, 200, n).tolist() for n in (3, 7, 2, 5, 4)])
+            prefix = np.ones((5, 1), np.int64)
+        else:
+            prefix = np.concatenate([np.ones((5, 1), np.int64), g.integers(4, 200, (5, 2))], axis=1)
+        r.step(0, prefix, np.full(5, prefix.shape[1]), np.zeros(5, np.int64))
+        g = np.random.default_rng(1)
+    before = [a.copy() for a in rt.read_cache(1)]
+    # a beam reorder with overlap: 0 -> 1, 1 -> 2, 2 -> 0 and a duplicate 0 -> 4
+    rt.copy_slots([0, 1, 2, 0], [1, 2, 0, 4])
+    after = rt.read_cache(1)
+    for a, bf in zip(after, before):
+        np.testing.assert_array_equal(a[[1, 2, 0, 4]], bf[[0, 1, 2, 0]])
+        np.testing.assert_array_equal(a[3], bf[3])
+    # stepping the copies gives the logits the source slots give in PyTorch (cross keys/values and source
+    # lengths moved with the rows)
+    pos = np.full(5, prefix.shape[1], np.int64)
+    nxt = np.full((5, 1), 7, np.int64)
+    want = ref.step(0, nxt, np.ones(5, np.int64), pos)
+    got = rt.step(0, nxt, np.ones(5, np.int64), pos)
+    np.testing.assert_allclose(got[[1, 2, 0, 4, 3]], want[[0, 1, 2, 0, 3]], atol=1e-4, rtol=0)
+
+
+def test_step_and_encode_reject_bad_arguments_with_clear_messages(bundles):
+    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=2, provider="cpu")
+    one = np.ones(1, np.int64)
+    with pytest.raises(ValueError, match="call encode"):
+        rt.step(0, np.ones((1, 1)), one, np.zeros(1))
+    rt.encode(0, [[5, 6, 7], [8]])
+    with pytest.raises(ValueError, match=r"max_len=64"):
+        rt.step(0, np.ones((1, 2)), one, np.array([63]))
+    with pytest.raises(ValueError, match=r"slots \[1, 3\)"):
+        rt.step(1, np.ones((2, 1)), np.ones(2), np.zeros(2))
+    with pytest.raises(ValueError, match=r"input_len must be in \[1, T=1\]"):
+        rt.step(0, np.ones((1, 1)), np.array([2]), np.zeros(1))
+    with pytest.raises(ValueError, match="source lengths"):
+        rt.encode(0, [[]])
+    with pytest.raises(ValueError, match="dst slots must be distinct"):
+        rt.copy_slots([0, 1], [1, 1])
+    gen = ModelRuntime(load_bundle(bundles["generate"]), n_slots=1, provider="cpu")
+    with pytest.raises(ValueError, match="decoder-only"):
+        gen.encode(0, [[5]])
+
+
+def test_runtime_properties(bundles):
+    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=3, provider="auto", intra_op_threads=1,
+                      max_src_len=16)
+    assert rt.is_encoder_decoder and rt.n_slots == 3 and rt.max_len == 64 and rt.max_src_len == 16
+    assert (rt.bos_id, rt.eos_id, rt.pad_id) == (1, 2, 0) and rt.vocab_size == rt.bundle.config.vocab_size
+    assert rt.provider == (choose_provider("auto"))
+    with pytest.raises(ValueError, match="max_src_len=100"):
+        ModelRuntime(rt.bundle, n_slots=1, max_src_len=100)
+
+
+def test_provider_choice():
+    assert choose_provider("cpu") == CPU_EP
+    if not gpu_visible():
+        assert choose_provider("auto") == CPU_EP
+        with pytest.raises(ValueError, match="no GPU is visible"):
+            choose_provider("cuda")
+    with pytest.raises(ValueError, match="'tpu' is not supported"):
+        choose_provider("tpu")
+
+
+def test_serving_side_modules_do_not_import_torch():
+    code = ("import sys; import export.bundle, export.evaluate, export.contract, serving.runtime; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
