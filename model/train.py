@@ -62,6 +62,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def schedule_step(step: int, elapsed: float, cfg: TrainConfig) -> int:
+    """Where the LR schedule is. With a time budget it follows the clock too, so the decay completes by the
+    deadline on a slow or busy machine (the run is then only as reproducible as the machine's speed)."""
+    if cfg.time_budget_s:
+        return min(cfg.steps, max(step, int(cfg.steps * elapsed / cfg.time_budget_s)))
+    return step
+
+
 def train_tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
     if cfg.task == "translate":
         pairs = data_mod.load_pairs(cfg.data_dir, "train")
@@ -234,8 +242,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                mininterval=2.0)
     run_loss, run_tok = 0.0, 0
     while step < cfg.steps:
+        lr = lr_at(schedule_step(step, elapsed, cfg), cfg)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr
         loss, ntok = loss_on(model, batcher.batch(step), cfg, tok.pad_id, cfg.label_smoothing)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -247,7 +256,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         bar.update(1)
         if step % 25 == 0:
             history.append({"step": step, "train_loss": round(run_loss / run_tok, 4), "elapsed_s": round(elapsed, 1)})
-            bar.set_postfix(loss=f"{run_loss / run_tok:.3f}", lr=f"{lr_at(step, cfg):.2e}")
+            bar.set_postfix(loss=f"{run_loss / run_tok:.3f}", lr=f"{lr:.2e}")
             run_loss, run_tok = 0.0, 0
         out_of_time = bool(cfg.time_budget_s and elapsed >= cfg.time_budget_s) or step == cfg.stop_at
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:

@@ -73,3 +73,13 @@ def test_schedule_warms_up_then_decays():
     c = TrainConfig(steps=100, warmup=10, lr=1e-3)
     assert lr_at(0, c) < lr_at(9, c) == pytest.approx(1e-3)
     assert lr_at(50, c) < lr_at(10, c) and lr_at(99, c) >= 0.05e-3 - 1e-12
+
+
+def test_time_budget_schedule_follows_the_clock():
+    from model.train import schedule_step
+
+    c = TrainConfig(steps=1000, time_budget_s=100.0)
+    assert schedule_step(10, 50.0, c) == 500  # halfway through the budget: halfway through the schedule
+    assert schedule_step(700, 50.0, c) == 700  # a fast machine follows its steps
+    assert schedule_step(10, 500.0, c) == 1000
+    assert schedule_step(10, 50.0, TrainConfig(steps=1000)) == 10  # no budget: steps only, reproducible
