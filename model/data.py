@@ -148,7 +148,7 @@ def dictionary_lexicon(dict_dz: Path) -> Iterator[tuple[str, str]]:
         lines = raw[off: off + length].decode("utf-8", errors="replace").split("\n")
         if len(lines) < 2:
             continue
-        de = clean(_PRONUNCIATION.sub("", _TAGS.sub("", lines[0])))
+        de = clean(_TAGS.sub("", _PRONUNCIATION.sub("", lines[0])))
         en = clean(_TAGS.sub("", lines[1].split(", ")[0]))
         if de and en and not _SENTENCE.match(de) and len(de) <= 40 and len(en) <= 40 and "/" not in de + en:
             yield en, de
