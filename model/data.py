@@ -104,24 +104,19 @@ def fetch_dictionary(cache: Path) -> Path:
     return unpacked
 
 
-def _dictionary_entries(dict_dz: Path) -> tuple[bytes, list[tuple[int, int]]]:
-    """The uncompressed dictd body and the (offset, length) of every entry, from the index."""
+def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
+    """(English, German) example sentences: entries whose headword and translation are whole sentences."""
     index = dict_dz.with_name(dict_dz.name.replace(".dict.dz", ".index"))
     if not index.is_file():
         raise DataError(f"dictd index {index} is missing next to {dict_dz}")
+    raw = gzip.open(dict_dz, "rb").read()
     offsets = set()
     with open(index, encoding="utf-8") as f:
         for line in f:
             parts = line.rstrip("\n").split("\t")
             if len(parts) == 3:
                 offsets.add((_b64(parts[1]), _b64(parts[2])))
-    return gzip.open(dict_dz, "rb").read(), sorted(offsets)
-
-
-def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
-    """(English, German) example sentences: entries whose headword and translation are whole sentences."""
-    raw, offsets = _dictionary_entries(dict_dz)
-    for off, length in tqdm(offsets, desc="dictionary entries", unit="entry", file=sys.stderr,
+    for off, length in tqdm(sorted(offsets), desc="dictionary entries", unit="entry", file=sys.stderr,
                             mininterval=1.0):
         lines = raw[off: off + length].decode("utf-8", errors="replace").split("\n")
         if len(lines) < 2:
@@ -133,25 +128,6 @@ def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
             en = clean(en)
             if _SENTENCE.match(en) and len(en.split()) >= 2:
                 yield en, de
-
-
-_TAGS = re.compile(r"\s*(<[^>]*>|\[[^\]]*\]|\{[^}]*\})")
-
-
-def dictionary_lexicon(dict_dz: Path) -> Iterator[tuple[str, str]]:
-    """(English, German) word and phrase entries (not sentences): lexical knowledge for the translator.
-
-    Written to translate/lexicon.tsv beside the splits; training may mix some in (TrainConfig.lexicon_pairs).
-    """
-    raw, offsets = _dictionary_entries(dict_dz)
-    for off, length in offsets:
-        lines = raw[off: off + length].decode("utf-8", errors="replace").split("\n")
-        if len(lines) < 2:
-            continue
-        de = clean(_TAGS.sub("", _PRONUNCIATION.sub("", lines[0])))
-        en = clean(_TAGS.sub("", lines[1].split(", ")[0]))
-        if de and en and not _SENTENCE.match(de) and len(de) <= 40 and len(en) <= 40 and "/" not in de + en:
-            yield en, de
 
 
 def read_tsv_pairs(path: Path) -> Iterator[tuple[str, str]]:
@@ -168,8 +144,7 @@ def read_tsv_pairs(path: Path) -> Iterator[tuple[str, str]]:
 def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | None = None) -> dict:
     cache = cache or out_dir / "cache"
     source = str(tsv) if tsv else f"debian:{DICT_PACKAGE}"
-    dict_dz = None if tsv else fetch_dictionary(cache)
-    raw = read_tsv_pairs(tsv) if tsv else dictionary_sentence_pairs(dict_dz)
+    raw = read_tsv_pairs(tsv) if tsv else dictionary_sentence_pairs(fetch_dictionary(cache))
     seen, splits = set(), {s: [] for s in SPLITS}
     for en, de in raw:
         en, de = clean(en), clean(de)
@@ -186,11 +161,6 @@ def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | No
         with open(d / f"{name}.tsv", "w", encoding="utf-8") as f:
             f.writelines(f"{en}\t{de}\n" for en, de in pairs)
     meta = {"task": "translate", "source": source, "counts": {k: len(v) for k, v in splits.items()}}
-    if dict_dz is not None:
-        lexicon = sorted(set(dictionary_lexicon(dict_dz)))
-        with open(d / "lexicon.tsv", "w", encoding="utf-8") as f:
-            f.writelines(f"{en}\t{de}\n" for en, de in lexicon)
-        meta["lexicon_pairs"] = len(lexicon)
     (d / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -263,15 +233,6 @@ def load_pairs(data_dir: str | Path = DEFAULT_DATA_DIR, split: str = "train") ->
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
     path = _require(Path(data_dir) / "translate" / f"{split}.tsv", "translate")
-    with open(path, encoding="utf-8") as f:
-        return [tuple(line.rstrip("\n").split("\t", 1)) for line in f if line.strip()]
-
-
-def load_lexicon(data_dir: str | Path = DEFAULT_DATA_DIR) -> list[tuple[str, str]]:
-    """Word/phrase pairs of the dictionary (empty when the data came from a user's TSV)."""
-    path = Path(data_dir) / "translate" / "lexicon.tsv"
-    if not path.is_file():
-        return []
     with open(path, encoding="utf-8") as f:
         return [tuple(line.rstrip("\n").split("\t", 1)) for line in f if line.strip()]
 

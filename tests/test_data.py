@@ -44,15 +44,6 @@ def test_dictionary_sentences_are_extracted_and_words_skipped(tmp_path):
     ]
 
 
-def test_lexicon_keeps_words_and_phrases_not_sentences(tmp_path):
-    dz = write_dictd(tmp_path, [
-        "Fleischeslust /flˈaɪʃ/ <fem, n, sg>\nlust of the flesh, carnal desire\n\n",
-        "Gib Pfote! /ɡˈiːp/\nShake hands!\n\n",
-        "Walze <f>\n[techn.] drum\n\n",
-    ])
-    assert sorted(data.dictionary_lexicon(dz)) == [("drum", "Walze"), ("lust of the flesh", "Fleischeslust")]
-
-
 def test_clean_normalises_and_strips_control_characters():
     assert data.clean("  Grüße\u0000 an\t\talle  ") == "Grüße an alle"
     assert data.clean("Gru\u0308ße") == "Grüße"  # NFC

@@ -83,13 +83,3 @@ def test_time_budget_schedule_follows_the_clock():
     assert schedule_step(700, 50.0, c) == 700  # a fast machine follows its steps
     assert schedule_step(10, 500.0, c) == 1000
     assert schedule_step(10, 50.0, TrainConfig(steps=1000)) == 10  # no budget: steps only, reproducible
-
-
-def test_lexicon_selection_only_uses_training_vocabulary():
-    from model.train import select_lexicon
-
-    pairs = [("The dog barks.", "Der Hund bellt."), ("A big house.", "Ein großes Haus.")]
-    lexicon = [("dog", "Hund"), ("big house", "großes Haus"), ("cat", "Katze"), ("barks loudly", "bellt laut")]
-    chosen = select_lexicon(pairs, lexicon, 10)
-    assert sorted(chosen) == [("big house", "großes Haus"), ("dog", "Hund")]
-    assert select_lexicon(pairs, lexicon, 1) == chosen[:1] and select_lexicon(pairs, lexicon, 0) == []
