@@ -279,9 +279,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 
 # The default runs `make serve` trains: sized for ~20 minutes on a 2-core CPU (see README for figures).
 RECIPES: dict[str, dict] = {
-    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=2400,
-                      time_budget_s=1140, batch_tokens=3000, lr=1.5e-3, warmup=200, vocab_size=4000,
-                      eval_every=600),
+    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=1100,
+                      time_budget_s=1140, batch_tokens=3000, lr=1.5e-3, warmup=150, vocab_size=4000,
+                      eval_every=250),
     "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=1100,
                      time_budget_s=1140, lm_batch=24, lm_window=128, lr=1.5e-3, warmup=150, vocab_size=4000,
                      eval_every=250),
