@@ -6,26 +6,31 @@ GET /v1/models (OpenAI-compatible), GET /v2/health/live, GET /v2/health/ready, G
 The app talks to models through a `Backend` (serving/app.py's Ray handles in production, in-process
 `ModelService`s in tests), so this module knows nothing about Ray. Status mapping (`_STATUS`): invalid
 input 422, unknown model 404, body or prompt over the limit 413, overload 429 + Retry-After, past the
-deadline 504, model unavailable 503, missing API key 401; an unexpected exception is the only 500.
-Bodies are in serving/schemas.py; text handling (stop strings, usage, timings) in serving/service.py.
+deadline 504, model unavailable or draining 503 (+ Retry-After: it can be retried), missing API key 401;
+an unexpected exception is the only 500. Error bodies are always `{"error": {"type", "message", "field"}}`.
+Bodies are in serving/schemas.py; text handling (stop strings, usage, timings) in serving/service.py;
+the API key check in serving/auth.py; refusing new requests while shutting down in serving/drain.py.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.api_stream import completion_events, generate_events, openai_finish, start_stream
+from serving.api_stream import DEADLINE_GRACE_S, completion_events, generate_events, openai_finish, start_stream
+from serving.auth import BearerAuth, app_path, key_sha256
 from serving.config import Limits
+from serving.drain import Drain, DrainGate
 from serving.metrics import Recorder
 from serving.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, TranslateRequest,
                              TranslateResponse)
@@ -36,7 +41,7 @@ log = logging.getLogger(__name__)
 
 _STATUS = {ErrorKind.INVALID: 422, ErrorKind.TOO_LARGE: 413, ErrorKind.OVERLOADED: 429,
            ErrorKind.DEADLINE: 504, ErrorKind.UNAVAILABLE: 503, ErrorKind.NOT_FOUND: 404}
-DEADLINE_GRACE_S = 2.0  # the engine enforces the deadline; this backstop only catches a stuck call
+ECHO_CHARS = 120  # an invalid value is quoted in the error message up to this many characters
 
 
 class Backend(Protocol):
@@ -47,22 +52,33 @@ class Backend(Protocol):
     async def metrics_text(self) -> str: ...
 
 
+def _utf8_safe(text: str) -> str:
+    """A lone surrogate sent by a client (JSON allows "\\ud800") cannot be encoded; show it escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(kind: str, message: str, field: str | None = None) -> dict:
-    return {"error": {"type": kind, "message": message, "field": field}}
+    return {"error": {"type": kind, "message": _utf8_safe(message),
+                      "field": _utf8_safe(field) if field is not None else None}}
 
 
-def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: str | None = None) -> FastAPI:
+def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: str | None = None,
+               drain: Drain | None = None) -> FastAPI:
+    """The API. Middleware, outermost first: metrics (sees every /v1 answer, 401 and 503 included), drain
+    gate, API key (checked before the body is read), body limit."""
     app = FastAPI(title="kvserve", version="0.1.0",
                   description="Transformer translation and generation on ONNX Runtime behind Ray Serve.")
-    app.add_middleware(RequestMetrics, recorder=recorder)
+    drain = drain if drain is not None else Drain()
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BearerAuth, key_sha256=key_sha256(api_key))
+    app.add_middleware(DrainGate, drain=drain)
+    app.add_middleware(RequestMetrics, recorder=recorder)
     _install_error_handlers(app, recorder)
-    auth = _auth_dependency(api_key)
-    routes = _Routes(backend, limits)
-    app.post("/v1/translate", response_model=TranslateResponse, dependencies=[auth])(routes.translate)
-    app.post("/v1/generate", response_model=GenerateResponse, dependencies=[auth])(routes.generate)
-    app.post("/v1/completions", dependencies=[auth])(routes.completions)
-    app.get("/v1/models", dependencies=[auth])(routes.models)
+    routes = _Routes(backend, limits, drain)
+    app.post("/v1/translate", response_model=TranslateResponse)(routes.translate)
+    app.post("/v1/generate", response_model=GenerateResponse)(routes.generate)
+    app.post("/v1/completions")(routes.completions)
+    app.get("/v1/models")(routes.models)
     app.get("/v2/health/live")(routes.live)
     app.get("/v2/health/ready")(routes.ready)
     app.get("/metrics", response_class=PlainTextResponse)(routes.metrics)
@@ -70,8 +86,8 @@ def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: st
 
 
 class _Routes:
-    def __init__(self, backend: Backend, limits: Limits) -> None:
-        self.backend, self.limits = backend, limits
+    def __init__(self, backend: Backend, limits: Limits, drain: Drain) -> None:
+        self.backend, self.limits, self.drain = backend, limits, drain
 
     async def translate(self, body: TranslateRequest, request: Request) -> dict:
         model = self._resolve(body.model, "translate", request)
@@ -98,12 +114,12 @@ class _Routes:
         stops = _stops(body.stop, self.limits)
         params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), temperature=body.temperature,
                                 top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
-                                seed=body.seed, stop_strings=stops)
+                                seed=body.seed, stop_strings=stops, ignore_eos=body.ignore_eos)
         treq = TextRequest(body.prompt, params, self._deadline())
         started = time.monotonic()
         if body.stream:
-            first, rest = await start_stream(self.backend.stream(model, treq))
-            return _sse(generate_events(first, rest, started))
+            first, rest = await start_stream(self.backend.stream(model, treq), treq.deadline_wall)
+            return _sse(generate_events(first, rest, started, treq.deadline_wall))
         r = await self._complete(model, treq)
         return {"model": model, "text": r.text, "finish_reason": r.finish_reason,
                 "usage": _usage([r]), "timings": _timings([r], started)}
@@ -118,9 +134,10 @@ class _Routes:
                                f"{self.limits.max_texts}", field="prompt")
         deadline, cid, created = self._deadline(), f"cmpl-{secrets.token_hex(12)}", int(time.time())
         if body.stream:
-            first, rest = await start_stream(self.backend.stream(model, TextRequest(prompts[0], params, deadline)))
+            first, rest = await start_stream(self.backend.stream(model, TextRequest(prompts[0], params, deadline)),
+                                             deadline)
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(completion_events(first, rest, cid, created, model, usage))
+            return _sse(completion_events(first, rest, cid, created, model, usage, deadline))
         results = await _gather([self._complete(model, TextRequest(p, params, deadline)) for p in prompts])
         choices = [{"text": r.text, "index": i, "logprobs": None, "finish_reason": openai_finish(r.finish_reason)}
                    for i, r in enumerate(results)]
@@ -135,6 +152,8 @@ class _Routes:
         return {"status": "live"}
 
     async def ready(self) -> JSONResponse:
+        if self.drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         ok = await self.backend.ready()
         return JSONResponse({"status": "ready" if ok else "loading"}, status_code=200 if ok else 503)
 
@@ -230,7 +249,8 @@ def _sse(events: AsyncIterator[dict | str]) -> StreamingResponse:
 # -- errors -------------------------------------------------------------------------------------------
 def service_error_response(e: ServiceError) -> JSONResponse:
     status = _STATUS[e.kind]
-    headers = {"Retry-After": str(max(1, round(e.retry_after_s or 1)))} if status == 429 else None
+    # 429 and 503 can be retried: Retry-After says when (RFC 9110 sections 15.5.21 and 15.6.4).
+    headers = {"Retry-After": str(max(1, round(e.retry_after_s or 1)))} if status in (429, 503) else None
     return JSONResponse(error_body(e.kind.value, e.message, e.field), status_code=status, headers=headers)
 
 
@@ -244,19 +264,16 @@ def _install_error_handlers(app: FastAPI, recorder: Recorder) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or None
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        message = f"{field or 'body'}: {err.get('msg', 'invalid')}{got}"
+        field, message = _validation_message(e)
         return JSONResponse(error_body(ErrorKind.INVALID.value, message, field), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {400: ErrorKind.INVALID.value, 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                 413: ErrorKind.TOO_LARGE.value}.get(e.status_code, "http_error")
-        field = "body" if e.status_code == 413 else None
-        return JSONResponse(error_body(kind, str(e.detail), field), status_code=e.status_code, headers=e.headers)
+        field = "body" if e.status_code in (400, 413) else None
+        return JSONResponse(error_body(kind, _http_message(request, e), field), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:
@@ -264,15 +281,48 @@ def _install_error_handlers(app: FastAPI, recorder: Recorder) -> None:
         return JSONResponse(error_body("internal_error", f"internal error: {type(e).__name__}"), status_code=500)
 
 
-def _auth_dependency(api_key: str | None) -> Any:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise StarletteHTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                         headers={"WWW-Authenticate": "Bearer"})
-    return Depends(check)
+ROUTES_HINT = ("POST /v1/translate, POST /v1/generate, POST /v1/completions, GET /v1/models, "
+               "GET /v2/health/live, GET /v2/health/ready, GET /metrics")
+
+
+def _http_message(request: Request, e: StarletteHTTPException) -> str:
+    """Starlette's terse details ("Not Found") made to say what was asked and what exists."""
+    path = _clip(app_path(request.scope), ECHO_CHARS)
+    if e.status_code == 404 and e.detail == "Not Found":
+        return f"no route {request.method} {path}; this server has {ROUTES_HINT}"
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        return f"method {request.method} is not allowed on {path}; use {allowed or 'another method'}"
+    if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not parse the body at all
+        cause = e.__cause__
+        return _clip(f"the request body could not be parsed as JSON: {type(cause).__name__}: {cause}", 300)
+    return str(e.detail)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# pydantic names the member of a union (`str | list[str]`) it tried in the error location; users never see it
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict|function-[a-z-]+)(\[.*\])?$")
+
+
+def _validation_message(e: RequestValidationError) -> tuple[str | None, str]:
+    """(field, message) of the most telling validation error: the field path, what is wrong, the value
+    (clipped). Of a union's errors, one about the value beats "should be a valid <type>"."""
+    errors = e.errors()
+    err = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0]) if errors else {
+        "loc": (), "msg": "invalid request"}
+    if err.get("type") == "json_invalid":  # loc is ("body", character offset)
+        where = err.get("loc", ("body", "?"))[-1]
+        detail = (err.get("ctx") or {}).get("error", "invalid JSON")
+        return "body", f"the request body is not valid JSON: {detail} at character {where}"
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
+    field = _clip(".".join(loc), ECHO_CHARS) or None
+    got = ""
+    if "input" in err and not isinstance(err["input"], dict):
+        got = f" (got {_clip(repr(err['input']), ECHO_CHARS)})"
+    return field, f"{field or 'body'}: {err.get('msg', 'invalid')}{got}"
 
 
 # -- ASGI middleware ----------------------------------------------------------------------------------
@@ -312,10 +362,7 @@ class RequestMetrics:
         self.app, self.recorder = app, recorder
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if root and path.startswith(root):  # Ray Serve keeps the route_prefix in path and sets root_path
-            path = path[len(root):]
-        if scope["type"] != "http" or not path.startswith("/v1/"):
+        if scope["type"] != "http" or not app_path(scope).startswith("/v1/"):
             return await self.app(scope, receive, send)
         started, status = time.monotonic(), "499"
 

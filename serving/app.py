@@ -5,8 +5,9 @@
   `reconfigure(user_config)`, runs request-level batching through `@serve.batch` -> `Engine.run_batch`, polls
   engine gauges, fails its health check when the engine is dead, and drains in-flight requests on shutdown.
 - `Ingress` serves the FastAPI app of serving/api.py with `RayBackend`, which calls the model deployments
-  through handles (streaming ones for SSE), turns Ray's overload errors into 429s, and cancels the model's
-  request when the HTTP client goes away.
+  through handles (streaming ones for SSE), turns Ray's overload errors into 429s and a replica that died
+  or is gone into a 503 that can be retried, and cancels the model's request when the HTTP client goes
+  away. Its `reconfigure` (user_config `IngressKnobs`) drains the replica for a graceful shutdown.
 - `build_app(args)` is the Serve config's `import_path` (serving.app:build_app): it parses `AppArgs`, checks
   every bundle exists, and binds the graph. Deployment options (replicas, autoscaling, queue limits, actor
   options, user_config) come from the Serve config file, not from code.
@@ -24,14 +25,14 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serving.config import INGRESS_DEPLOYMENT, AppArgs, Limits, LiveKnobs, ModelSpec, engine_config
+from serving.config import INGRESS_DEPLOYMENT, AppArgs, IngressKnobs, Limits, LiveKnobs, ModelSpec, engine_config
 from serving.service import ErrorKind, ServiceError, StreamPiece, TextRequest, TextResult
 from serving.types import (AdmissionRejected, BatchingMode, EngineError, GenerationRequest, InvalidRequest,
                            TokenEvent)
 
 log = logging.getLogger("ray.serve")
 READY_TIMEOUT_S = 2.0
-GAUGE_PERIOD_S = 1.0
+GAUGE_PERIOD_S = 0.25  # an idle engine's gauges (slots in use) reach /metrics within one export period
 
 
 @serve.deployment
@@ -210,8 +211,12 @@ def _cancel_quietly(response: Any) -> None:
 
 def _as_service_error(e: BaseException) -> BaseException:
     """The ServiceError inside a Ray error, or Ray's overload / unavailability as one; else `e` itself."""
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+    if isinstance(e, (RayActorError, ReplicaUnavailableError)):  # the replica died (or is unreachable)
+        return ServiceError(ErrorKind.UNAVAILABLE, "the model replica serving this request failed and is being "
+                            "restarted; retry the request", retry_after_s=1.0, reason="replica_failed")
     inner = getattr(e, "cause", None) or e  # Ray wraps a replica's exception in a RayTaskError
     if isinstance(inner, ServiceError):
         return inner
@@ -229,14 +234,27 @@ def _as_service_error(e: BaseException) -> BaseException:
 @serve.ingress()
 class Ingress:
     def __init__(self, args: dict, tasks: dict[str, str], **handles: DeploymentHandle) -> None:
+        from serving.drain import Drain
+
         self.args, self.tasks, self.handles = AppArgs.model_validate(args), tasks, handles
+        self.drain = Drain()
 
     def __serve_build_asgi_app__(self) -> Any:
         from serving.api import create_app
         from serving.metrics import Recorder
 
         return create_app(RayBackend(self.handles, self.tasks), self.args.limits, Recorder("ray"),
-                          self.args.resolved_api_key())
+                          self.args.resolved_api_key(), self.drain)
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """`draining: true` refuses new API requests from now on (serving/drain.py); false resumes."""
+        knobs = IngressKnobs.model_validate(user_config or {})
+        self.drain.set_draining(knobs.draining)
+        log.info("ingress %s", "draining: new requests get 503" if knobs.draining else "serving")
+
+    async def drain_status(self) -> dict:
+        """This replica's phase and requests in flight (serving/serve_cli.py `drain` polls every replica)."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id, **self.drain.status()}
 
 
 def bundle_task(bundle_dir: Path) -> str:

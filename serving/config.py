@@ -4,6 +4,7 @@
   each model's engine knobs that are fixed when a replica starts (KV slots, provider, threads), and the
   HTTP limits. `serving.app.build_app` parses it; nothing else reads the raw dict.
 - `LiveKnobs` is a model deployment's `user_config`: the batching knobs that `reconfigure` changes live.
+- `IngressKnobs` is the ingress deployment's `user_config`: the graceful drain switch (serving/drain.py).
 - `load_serve_config` / `validate_serve_config` check a whole Serve config offline (Ray's own schema, then ours),
   for `kvserve serve`, tests and the deploy tooling.
 
@@ -54,6 +55,12 @@ class LiveKnobs(_Strict):
                                 description="Request-level mode: run a batch once this many requests wait...")
     batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=10.0,
                                         description="...or once the oldest has waited this long (seconds).")
+
+
+class IngressKnobs(_Strict):
+    """The ingress deployment's `user_config`, applied live by `Ingress.reconfigure` (serving/drain.py)."""
+    draining: bool = Field(False, description="true: refuse new API requests with 503 + Retry-After and report "
+                                              "not ready, while the ones in flight finish (graceful shutdown).")
 
 
 class Limits(_Strict):
@@ -130,8 +137,9 @@ def engine_config(spec: ModelSpec, live: LiveKnobs, limits: Limits) -> Any:
     """The engine's EngineConfig for one model: static knobs + live knobs + the request limits it enforces."""
     from serving.engine import EngineConfig  # the engine owns its config class
 
+    # The engine counts the bos that serving/service.py puts before an LM's prompt; the user's limit does not.
     values: dict[str, Any] = {**spec.engine.model_dump(), **live.model_dump(),
-                              "max_prompt_tokens": limits.max_prompt_tokens, "max_new_tokens": limits.max_tokens,
+                              "max_prompt_tokens": limits.max_prompt_tokens + 1, "max_new_tokens": limits.max_tokens,
                               "max_beam_size": limits.max_beam_size}
     known = EngineConfig.model_fields
     return EngineConfig(**{k: v for k, v in values.items() if k in known})
@@ -144,6 +152,7 @@ def check_deployments(app: dict[str, Any], args: AppArgs) -> None:
     unknown = set(deployments) - expected
     if unknown:
         raise ValueError(f"deployments {sorted(unknown)} match no model; expected names {sorted(expected)}")
+    IngressKnobs.model_validate(deployments.get(INGRESS_DEPLOYMENT, {}).get("user_config") or {})
     for spec in args.models:
         dep = deployments.get(spec.name, {})
         live = LiveKnobs.model_validate(dep.get("user_config") or {})

@@ -7,9 +7,22 @@ serving/api.py, which also turns these into `TextRequest`s. OpenAI-compatible sh
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+def _valid_unicode(value: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"), which are not text: the tokenizer cannot encode them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate {value[e.start]!r} at character {e.start}, which is not "
+                         f"valid Unicode text; send UTF-8 text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Body(BaseModel):
@@ -17,7 +30,7 @@ class _Body(BaseModel):
 
 
 class TranslateRequest(_Body):
-    text: str | list[str] = Field(..., description="One source text or a list of them.")
+    text: Text | list[Text] = Field(..., description="One source text or a list of them.")
     model: str | None = Field(None, description="Model name; default: the one translation model.")
     beam_size: int = Field(1, ge=1, le=8, description="Beam width; 1 = greedy.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens per translation.")
@@ -34,7 +47,7 @@ class TranslateRequest(_Body):
 
 
 class GenerateRequest(_Body):
-    prompt: str = Field(..., description="Text to continue.")
+    prompt: Text = Field(..., description="Text to continue.")
     model: str | None = Field(None, description="Model name; default: the one generation model.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy.")
@@ -42,21 +55,23 @@ class GenerateRequest(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = off.")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="> 1 discourages repeats; 1 = off.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same text.")
-    stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before the first one.")
+    stop: Text | list[Text] | None = Field(None, description="Stop strings; the text ends before the first one.")
     stream: bool = Field(False, description="Answer as Server-Sent Events, one per token.")
+    ignore_eos: bool = Field(False, description="Benchmarks and tests: end-of-sequence does not end the text, "
+                                                "which runs to max_tokens (as vLLM's ignore_eos).")
 
 
 class CompletionRequest(_Body):
     """OpenAI /v1/completions. Unsupported OpenAI options are accepted only at their neutral value."""
     model: str
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     max_tokens: int | None = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="Only 1 completion per prompt.")
     stream: bool = False
     stream_options: dict | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     echo: Literal[False] = False
     logprobs: None = None

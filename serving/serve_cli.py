@@ -5,8 +5,9 @@
 Validates the config offline (serving.config.load_serve_config), checks every bundle exists, starts a local
 Ray instance, deploys the config exactly as `serve run`/`serve deploy` would (the controller imports
 `serving.app:build_app`), waits until every application is RUNNING, prints the URLs, and blocks. Ctrl-C
-(or SIGTERM) stops cleanly: Serve stops routing new requests, lets in-flight ones finish within each
-deployment's graceful_shutdown_timeout_s, the engines drain, then Ray shuts down.
+(or SIGTERM) stops cleanly (`stop`): first `drain` -- every ingress replica answers new API requests with
+503 + Retry-After and reports not ready, while the requests in flight finish -- then the applications are
+deleted (the engines drain what is left), then Ray shuts down.
 
 `serve_config(...)` is the same as a function, for `kvserve up` (serving/up.py) and tests.
 Does not own: training or exporting bundles (`kvserve up` does that first), the app itself (serving/app.py).
@@ -14,6 +15,7 @@ Does not own: training or exporting bundles (`kvserve up` does that first), the 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -22,10 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serving.config import AppArgs, load_serve_config, validate_serve_config
+from serving.config import INGRESS_DEPLOYMENT, AppArgs, load_serve_config, validate_serve_config
 
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
+IMPORT_PATH = "serving.app:build_app"
 START_TIMEOUT_S = 600.0
+DRAIN_TIMEOUT_S = 60.0
 METRICS_REPORT_MS = 2000
 
 
@@ -93,6 +97,9 @@ def start(raw: dict[str, Any], num_cpus: int | None = None, dashboard: bool = Fa
 
     schema = ServeDeploySchema.model_validate(raw)
     if not ray.is_initialized():
+        from serving.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
+
+        os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # Ray's proxy inherits it (serving/proxy_guard.py)
         cpus = num_cpus or max(os.cpu_count() or 1, cpus_needed(raw))
         # Replicas push metrics to the node's exporter every metrics_report_interval_ms (Ray's default: 10 s);
         # 2 s keeps /metrics close to live for load tests at a negligible cost.
@@ -104,6 +111,54 @@ def start(raw: dict[str, Any], num_cpus: int | None = None, dashboard: bool = Fa
     wait_running([a.name for a in schema.applications], timeout_s)
 
 
+def with_draining(raw: dict[str, Any], draining: bool = True) -> dict[str, Any]:
+    """A copy of the config whose kvserve applications' ingress has `user_config.draining` set."""
+    out = json.loads(json.dumps(raw))
+    for app in out.get("applications", []):
+        if app.get("import_path") != IMPORT_PATH:
+            continue
+        deployments = app.setdefault("deployments", [])
+        ingress = next((d for d in deployments if d.get("name") == INGRESS_DEPLOYMENT), None)
+        if ingress is None:
+            ingress = {"name": INGRESS_DEPLOYMENT}
+            deployments.append(ingress)
+        ingress["user_config"] = {**(ingress.get("user_config") or {}), "draining": draining}
+    return out
+
+
+def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+    """Drain every kvserve application of the (deployed) config `raw`: new API requests get 503 from now on;
+    returns True once every ingress replica reports nothing in flight, False if some still had requests
+    after `timeout_s` (serving/drain.py explains why the wait is here and not in `reconfigure`)."""
+    from ray import serve
+
+    drained = with_draining(raw)
+    start(drained, timeout_s=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    apps = [a.get("name", "default") for a in drained["applications"] if a.get("import_path") == IMPORT_PATH]
+    return all(_wait_idle(serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app), app, deadline)
+               for app in apps)
+
+
+def _wait_idle(handle: Any, app: str, deadline: float) -> bool:
+    """Poll `drain_status` until every running ingress replica has reported draining with nothing in flight.
+
+    Calls reach replicas by Serve's routing (the least busy of two), so a busy replica is asked once it is
+    idle; a replica that reported idle stays idle (draining refuses new requests)."""
+    from ray import serve
+
+    idle: set[str] = set()
+    while time.monotonic() < deadline:
+        replicas = serve.status().applications[app].deployments[INGRESS_DEPLOYMENT].replica_states.get("RUNNING", 1)
+        status = handle.drain_status.remote().result(timeout_s=max(1.0, deadline - time.monotonic()))
+        if status["phase"] == "draining" and status["in_flight"] == 0:
+            idle.add(status["replica"])
+        if len(idle) >= replicas:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def wait_running(names: list[str], timeout_s: float) -> None:
     from ray import serve
 
@@ -111,7 +166,7 @@ def wait_running(names: list[str], timeout_s: float) -> None:
     while True:
         apps = serve.status().applications
         states = {n: (apps[n].status.value if n in apps else "NOT_STARTED") for n in names}
-        failed = {n: apps[n].message for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
+        failed = {n: failure_message(apps[n]) for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
         if failed:
             raise RuntimeError(f"Serve application(s) failed to deploy: {failed}")
         if all(s == "RUNNING" for s in states.values()):
@@ -119,6 +174,16 @@ def wait_running(names: list[str], timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f}s: {states}")
         time.sleep(0.5)
+
+
+def failure_message(app: Any) -> str:
+    """An application's failure with its failed deployments' own messages (e.g. the replica's BundleError,
+    which names the damaged file): Serve's application message only says which deployments failed."""
+    parts = [app.message]
+    for name, dep in app.deployments.items():
+        if dep.status.value in ("DEPLOY_FAILED", "UNHEALTHY") and dep.message:
+            parts.append(f"deployment {name!r}: {dep.message[-1500:]}")
+    return "\n".join(parts)
 
 
 def urls(raw: dict[str, Any]) -> list[str]:
@@ -133,15 +198,22 @@ def urls(raw: dict[str, Any]) -> list[str]:
     return out
 
 
-def stop() -> None:
-    """Drain, then stop: delete the applications first (the proxy stays up, so requests already in flight
-    finish within each deployment's graceful_shutdown_timeout_s while new ones get 404), then shut Serve
-    and Ray down."""
+def stop(raw: dict[str, Any] | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Drain, then stop: with the deployed config `raw`, first `drain` (in-flight requests finish, new ones
+    get 503); then delete the applications (anything still running gets each deployment's
+    graceful_shutdown_timeout_s), then shut Serve and Ray down."""
     import ray
     from ray import serve
 
     if ray.is_initialized():
         try:
+            if raw is not None:
+                try:
+                    if not drain(raw, drain_timeout_s):
+                        print(f"kvserve: requests still in flight after {drain_timeout_s:.0f}s of draining",
+                              file=sys.stderr, flush=True)
+                except Exception as e:  # a failed drain must not prevent the shutdown
+                    print(f"kvserve: drain failed ({e!r}); stopping anyway", file=sys.stderr, flush=True)
             for name in list(serve.status().applications):
                 serve.delete(name, _blocking=True)
         finally:
@@ -157,8 +229,10 @@ def serve_config(config: str | Path = DEFAULT_CONFIG, artifacts: str | Path | No
                  port: int | None = None, num_cpus: int | None = None, dashboard: bool = False) -> int:
     t0 = time.monotonic()
     raw = prepare_config(config, artifacts, host, port)
+    started = False
     try:
         start(raw, num_cpus=num_cpus, dashboard=dashboard)
+        started = True
         # After ray.init, which installs its own SIGTERM handler: `kill`, systemd and containers stop like Ctrl-C.
         signal.signal(signal.SIGTERM, _interrupt)
         print(f"kvserve: serving after {time.monotonic() - t0:.1f}s", flush=True)
@@ -171,4 +245,4 @@ def serve_config(config: str | Path = DEFAULT_CONFIG, artifacts: str | Path | No
         print("kvserve: shutting down, draining in-flight requests...", file=sys.stderr, flush=True)
         return 0
     finally:
-        stop()
+        stop(raw if started else None)

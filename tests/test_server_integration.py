@@ -12,9 +12,7 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,12 +23,6 @@ import yaml
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SENTENCES = ["the quick brown fox", "jumps over the lazy dog", "the dog", "", "brown fox over the dog"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(art: Path, port: int) -> dict:
@@ -62,32 +54,16 @@ def _config(art: Path, port: int) -> dict:
 
 
 @pytest.fixture(scope="session")
-def bundles(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from engine_bundle import tiny_model, write_bundle  # export's functions, on a tiny random model
-
-    art = tmp_path_factory.mktemp("artifacts")
-    for task in ("translate", "generate"):
-        model, cfg = tiny_model(task)
-        write_bundle(model, cfg, task, art / "bundles" / task)
-    return art
-
-
-@pytest.fixture(scope="session")
-def server(bundles):
-    import ray
-    from serving.serve_cli import prepare_config, start, stop
+def server(bundles, ray_cluster):
+    """This suite's application on the session's Ray cluster (tests/conftest.py: `bundles`, `ray_cluster`)."""
+    from serving.serve_cli import prepare_config, start
 
     path = bundles / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(_config(bundles, _free_port())))
+    path.write_text(yaml.safe_dump(_config(bundles, ray_cluster["port"])))
     raw = prepare_config(path)
-    ray.init(num_cpus=2, include_dashboard=False, _system_config={"metrics_report_interval_ms": 1000})
-    try:
-        start(raw, timeout_s=300)
-        base = f"http://127.0.0.1:{raw['http_options']['port']}"
-        yield {"base": base, "raw": raw, "art": bundles}
-    finally:
-        stop()
+    start(raw, timeout_s=300)
+    base = f"http://127.0.0.1:{raw['http_options']['port']}"
+    yield {"base": base, "raw": raw, "art": bundles}
 
 
 @pytest.fixture(scope="session")
@@ -299,8 +275,10 @@ def test_request_counter_sums_over_replicas(client):
     # Both replicas of each deployment really served: their series are distinct in Ray's own export.
     node = next(x for x in ray.nodes() if x["Alive"])
     raw = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics").text
+    # This application's series only: other suites' applications ran on the same cluster (tests/conftest.py).
+    ours = "\n".join(line for line in raw.splitlines() if 'application="kvserve"' in line)
     for name, dep in (("kvserve_requests_total", "ingress"), ("kvserve_generated_tokens_total", "generate")):
-        replicas = set(re.findall(rf'^{RAY_PREFIX}{name}{{[^}}]*deployment="{dep}"[^}}]*replica="([^"]+)"', raw, re.M))
+        replicas = set(re.findall(rf'^{RAY_PREFIX}{name}{{[^}}]*deployment="{dep}"[^}}]*replica="([^"]+)"', ours, re.M))
         assert len(replicas) == 2, (name, replicas)
 
 

@@ -1,0 +1,74 @@
+"""Fixtures shared by the suites that run a real local Ray Serve cluster (all slow-marked).
+
+- `bundles`: tiny random bundles (translate, generate) exported once per session with export's own functions.
+- `ray_cluster`: ONE local Ray instance per test session for tests/test_server_integration.py and the
+  reliability suites (test_reliability.py, test_fuzz.py, test_security.py). Each suite deploys its own Serve
+  application with `serving.serve_cli.start`, which replaces the application deployed before (a Serve config
+  is declarative), so suites take turns on one cluster instead of paying for a new one each. Serve's HTTP
+  port is chosen once here, because Serve keeps the port it started with. Before Ray starts, the
+  environment variable `API_KEY_ENV` gets a fresh random key: every Ray worker inherits it, the way a
+  Kubernetes Secret reaches a pod's environment, and the reliability application reads it (`api_key_env`);
+  and, as `serving.serve_cli.start` does, Ray's proxy gets serving/proxy_guard.py's middleware.
+  Nothing here starts unless a test asks for it, so the default (fast) suite never starts Ray.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+API_KEY_ENV = "KVSERVE_TEST_API_KEY"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory) -> Path:
+    """An artifacts directory with bundles/translate and bundles/generate (tiny random models, max_len 64)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_bundle import tiny_model, write_bundle  # export's functions, on a tiny random model
+
+    art = tmp_path_factory.mktemp("artifacts")
+    for task in ("translate", "generate"):
+        model, cfg = tiny_model(task)
+        write_bundle(model, cfg, task, art / "bundles" / task)
+    return art
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """{"port": Serve's HTTP port, "api_key": the key in API_KEY_ENV}; Serve and Ray stop at the session's end."""
+    import ray
+    from serving.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
+    from serving.serve_cli import stop
+
+    key = os.environ.setdefault(API_KEY_ENV, "kvs-test-" + secrets.token_urlsafe(24))
+    os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # as serve_cli.start does: Ray's proxy refuses bad headers
+    ray.init(num_cpus=2, include_dashboard=False, _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        yield {"port": free_port(), "api_key": key}
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="session")
+def reliability_app(bundles, ray_cluster):
+    """The reliability suites' application (tests/reliability_cluster.py), deployed once per session."""
+    from reliability_cluster import deploy
+
+    return deploy(bundles, ray_cluster["port"], ray_cluster["api_key"], API_KEY_ENV)
+
+
+@pytest.fixture
+def rel(reliability_app):
+    """`reliability_app`, deployed again first if another suite's application replaced it."""
+    reliability_app.ensure_running()
+    return reliability_app
