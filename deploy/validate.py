@@ -4,7 +4,7 @@
 The API server prunes unknown fields silently, so a misspelled field would vanish without a trace; every
 check here therefore treats an unknown key as an error:
 - core kinds (Namespace, PodDisruptionBudget, PersistentVolumeClaim, ...): `kubernetes-validate --strict`;
-- custom resources (RayService, PodMonitor): the CRD's openAPIV3Schema from ../shared/crds with
+- custom resources (RayService, PodMonitor): the CRD's openAPIV3Schema from deploy/crds with
   `additionalProperties: false` injected into every object schema that lists `properties` and does not
   say `x-kubernetes-preserve-unknown-fields`; their `metadata` as a strict ObjectMeta;
 - serveConfigV2: Ray's `ServeDeploySchema`, a walk that reports keys Ray's schema would ignore, and
@@ -46,9 +46,9 @@ Doc = dict[str, Any]
 
 
 def crd_dir() -> Path:
-    """../shared/crds beside the checkout (KVSERVE_CRD_DIR overrides)."""
+    """deploy/crds, the vendored CRD schemas (KVSERVE_CRD_DIR overrides)."""
     env = os.environ.get("KVSERVE_CRD_DIR")
-    return Path(env) if env else REPO.parent / "shared" / "crds"
+    return Path(env) if env else REPO / "deploy" / "crds"
 
 
 def strict_schema(schema: Any) -> Any:

@@ -1,7 +1,7 @@
 """deploy/: the generated RayService, the kustomize overlays and their offline validation.
 
 Every manifest is checked against the real schemas (kubernetes-validate --strict for core kinds, the CRDs
-in ../shared/crds for RayService and PodMonitor) with unknown fields rejected, and each kind of typo is
+in deploy/crds for RayService and PodMonitor) with unknown fields rejected, and each kind of typo is
 shown to fail. serveConfigV2 must equal what deploy/serve_config.yaml generates.
 """
 from __future__ import annotations
