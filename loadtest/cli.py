@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gamma arrivals: coefficient of variation of the gaps (1 = Poisson, >1 = bursty)")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals, input choice and sampling seeds")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int,
+                   help="vary output lengths: request i asks for a max_tokens drawn uniformly (seeded) in "
+                        "[--min-tokens, --max-tokens]")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="stream answers (default: yes for generate and completions; translate never streams)")
     p.add_argument("--temperature", type=float, default=1.0, help="generate/completions sampling temperature")
@@ -68,7 +71,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     return LoadConfig(
         url=args.url, workload=Workload(args.workload), rate=args.rate, concurrency=args.concurrency,
         duration_s=args.duration, requests=args.requests, warmup_s=args.warmup, arrival=Arrival(args.arrival),
-        burstiness=args.burstiness, seed=args.seed, max_tokens=args.max_tokens, stream=args.stream,
+        burstiness=args.burstiness, seed=args.seed, max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens, stream=args.stream,
         temperature=args.temperature, beam_size=args.beam_size, model=args.model, timeout_s=args.timeout,
         max_inflight=args.max_inflight, data_dir=args.data_dir, scrape_metrics=not args.no_metrics,
         progress=not args.quiet, slos=parse_slos(args.slo))

@@ -64,6 +64,7 @@ class LoadConfig:
     burstiness: float = 1.0  # coefficient of variation of the gaps between arrivals (gamma only)
     seed: int = 0
     max_tokens: int = 64
+    min_tokens: int | None = None  # set: request i asks for max_tokens drawn uniformly in [min_tokens, max_tokens]
     stream: bool | None = None  # None: stream where the endpoint can (generate, completions)
     temperature: float = 1.0
     beam_size: int | None = None  # translate only; None leaves the server's default
@@ -98,6 +99,10 @@ class LoadConfig:
         _positive("requests", self.requests, upper=10_000_000)
         _positive("burstiness", self.burstiness, finite=True)
         _positive("max_tokens", self.max_tokens, upper=100_000)
+        _positive("min_tokens", self.min_tokens, upper=100_000)
+        if self.min_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; "
+                             f"give min_tokens <= max_tokens")
         _positive("timeout_s", self.timeout_s, finite=True)
         _positive("max_inflight", self.max_inflight, upper=100_000)
         _positive("beam_size", self.beam_size, upper=64)

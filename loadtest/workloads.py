@@ -84,12 +84,15 @@ def request_body(config: LoadConfig, inputs: Inputs, index: int) -> dict[str, An
     rng = np.random.default_rng([config.seed, 0x10AD, index])
     text = inputs.texts[int(rng.integers(len(inputs.texts)))]
     seed = int(rng.integers(2**31 - 1))
+    max_tokens = config.max_tokens
+    if config.min_tokens is not None:  # drawn last, so the text and seed of request i do not change
+        max_tokens = int(rng.integers(config.min_tokens, config.max_tokens + 1))
     if config.workload is Workload.TRANSLATE:
-        body: dict[str, Any] = {"text": text, "max_tokens": config.max_tokens}
+        body: dict[str, Any] = {"text": text, "max_tokens": max_tokens}
         if config.beam_size is not None:
             body["beam_size"] = config.beam_size
         return body
-    body = {"prompt": text, "max_tokens": config.max_tokens, "temperature": config.temperature, "seed": seed,
+    body = {"prompt": text, "max_tokens": max_tokens, "temperature": config.temperature, "seed": seed,
             "stream": config.streams}
     if config.workload is Workload.COMPLETIONS:
         body["model"] = config.model

@@ -18,7 +18,6 @@ gen = load("gen_rayservice")
 val = load("validate")
 kl = load("kustomize_lite")
 
-pytestmark = pytest.mark.skipif(not val.crd_dir().is_dir(), reason=f"CRD schemas not found at {val.crd_dir()}")
 
 
 def _rayservice(overlay: str = "gpu") -> dict:
