@@ -381,3 +381,27 @@ def test_shutdown_drains_in_flight_requests(server):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1 and time.monotonic() - t0 >= 2.0
     assert httpx.get(server["base"] + "/v2/health/live", timeout=10).status_code == 404
+
+
+# -- the load tester against this server ---------------------------------------------------------------------
+def test_loadtest_report_agrees_with_server_metrics(client, server):
+    """A few seconds of `kvserve loadtest` (the library behind it) against the real server: the report's
+    request and token counts equal what the server's own /metrics counted over the run."""
+    import asyncio
+
+    from loadtest import LoadConfig, run_load
+
+    labels = {"endpoint": "/v1/generate", "model": "generate"}
+    before = _settled_metrics(client)
+    cfg = LoadConfig(url=server["base"], concurrency=4, requests=24, max_tokens=8, seed=3, timeout_s=30,
+                     data_dir=server["art"] / "no-data")
+    report = asyncio.run(run_load(cfg))
+    sent, tokens = report.totals["sent"], report.totals["all_output_tokens"]
+    assert sent >= 24 and tokens > 0
+    after = _wait_metric(client, "kvserve_requests_total", _metric(before, "kvserve_requests_total", **labels) + sent,
+                         **labels)
+    after = _wait_metric(client, "kvserve_generated_tokens_total",
+                         _metric(before, "kvserve_generated_tokens_total", model="generate") + tokens, model="generate")
+    assert _metric(after, "kvserve_requests_total", **labels) - _metric(before, "kvserve_requests_total", **labels) == sent
+    assert (_metric(after, "kvserve_generated_tokens_total", model="generate")
+            - _metric(before, "kvserve_generated_tokens_total", model="generate")) == tokens
