@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtest.client import RequestRecord
 from loadtest.config import LoadConfig, Workload
 from loadtest.promscrape import GENERATED, Snapshot, parse_metrics
 from loadtest.report import Report
@@ -191,10 +192,20 @@ def tokens_per_step(before: Snapshot, after: Snapshot) -> float | None:
     return tokens / steps if steps > 0 else None
 
 
-def figures(report: Report, per_step: float | None) -> dict[str, Any]:
+def window_throughput(records: list[RequestRecord], start: float, end: float) -> tuple[float, float]:
+    """(requests/s, streamed tokens/s) completed inside [start, end): the steady state, without the warm-up
+    or the drain after the last send (which would otherwise count against slow modes)."""
+    done = sum(r.ok and start <= r.end < end for r in records)
+    tokens = sum(start <= r.start + t < end for r in records for t in r.token_times)
+    return done / (end - start), tokens / (end - start)
+
+
+def figures(report: Report, per_step: float | None, plan: HttpPlan) -> dict[str, Any]:
     """The figures of one run the doc shows (seconds, per second)."""
     lat, th, t = report.latency, report.throughput, report.totals
-    return {"requests_per_s": th["requests_per_s"], "output_tokens_per_s": th["output_tokens_per_s"],
+    rps, tps = window_throughput(report.records, plan.warmup_s, plan.warmup_s + plan.duration_s)
+    return {"requests_per_s": rps, "output_tokens_per_s": tps,
+            "loadtest_requests_per_s": th["requests_per_s"], "loadtest_output_tokens_per_s": th["output_tokens_per_s"],
             "ttft_p50_s": lat["ttft"]["p50"], "ttft_p99_s": lat["ttft"]["p99"],
             "e2e_p50_s": lat["e2e"]["p50"], "e2e_p99_s": lat["e2e"]["p99"], "itl_p50_s": lat["itl"]["p50"],
             "measured": t["measured"], "succeeded": t["succeeded"], "failed": t["failed"],
@@ -215,7 +226,7 @@ def _phase(server: BenchServer, plan: HttpPlan, data_dir: Path, phase: str, rate
             (work / f"http-{phase}-{mode.batching.value}-{mode.batch_wait_timeout_s}-r{rnd}.json").write_text(
                 report.to_json() + "\n")
             run = {"phase": phase, "mode": mode.name, "round": rnd, "rate": rate,
-                   **figures(report, tokens_per_step(before, after))}
+                   **figures(report, tokens_per_step(before, after), plan)}
             before = after
             runs.append(run)
             print(f"bench http {phase:7s} r{rnd} {mode.name:22s} {run['requests_per_s']:6.2f} req/s "
@@ -241,7 +252,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def _open_rate(closed: list[dict], mode: str, fraction: float) -> tuple[float, float]:
-    capacity = statistics.median(r["requests_per_s"] for r in closed if r["mode"] == mode)
+    capacity = statistics.median(r["requests_per_s"] for r in closed if r["mode"] == mode and r["phase"] == "closed")
     return capacity, round(max(fraction * capacity, 0.1), 2)
 
 
