@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from reliability_cluster import metric
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,13 +77,7 @@ def _sse(text: str) -> list:
     return [line[6:] for line in text.split("\n\n") if line.startswith("data: ")]
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+_metric = metric  # one exposition parser for the integration and reliability suites (tests/reliability_cluster.py)
 
 
 def _wait_metric(client: httpx.Client, name: str, want: float, timeout_s: float = 20, **labels: str) -> str:
