@@ -41,7 +41,9 @@ MAX_CHARS = 200
 
 _B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
 _SENTENCE = re.compile(r"^[A-ZÄÖÜ0-9„\"'¿¡].*[.?!]$")
-_EN_ALTERNATIVES = re.compile(r"(?<=[.?!]),\s+(?=[A-Z\"'])")
+_EN_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*,\s+(?=[A-Za-z\"'])")
+_USAGE_LABEL = re.compile(r"\s*\[[^\]]{1,14}\]\s*")  # [Sprw.], [coll.], [Am.], ...
+_ACRONYM_TAIL = re.compile(r"\s*[A-Z]{2,},\s*/[^/]*/\s*$")  # "Hope that helps.HTH, /.../"
 _PRONUNCIATION = re.compile(r"\s+/[^/]*/\s*$")
 
 
@@ -121,11 +123,15 @@ def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
         lines = raw[off: off + length].decode("utf-8", errors="replace").split("\n")
         if len(lines) < 2:
             continue
-        de = clean(_PRONUNCIATION.sub("", lines[0]))
+        de = clean(_USAGE_LABEL.sub(" ", _PRONUNCIATION.sub("", lines[0])))
         if not _SENTENCE.match(de) or len(de.split()) < 2:
             continue
-        for en in _EN_ALTERNATIVES.split(lines[1].strip()):
-            en = clean(en)
+        for en in _EN_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", lines[1]).strip()):
+            en = clean(_ACRONYM_TAIL.sub("", en))
+            if en[:1].islower():
+                en = en[0].upper() + en[1:]
+            if en and en[-1] not in ".?!" and not en.endswith("…"):
+                en += de[-1]  # the German side ends a sentence; a few English ones lost their stop
             if _SENTENCE.match(en) and len(en.split()) >= 2:
                 yield en, de
 

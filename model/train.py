@@ -53,11 +53,18 @@ class TrainConfig:
     seed: int = 1234
     threads: int = 0  # 0 = torch default
     stop_at: int = 0  # > 0: stop (and save) after this step, keeping the schedule of `steps` (for --resume)
+    bf16: bool = False  # bfloat16 autocast for the forward pass (CPU: 2.3x faster steps where avx512_bf16/AMX exist)
+    ema: float = 0.0  # > 0: also keep an exponential moving average of the weights; the better on valid is kept
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
+    """Linear warmup over the first `warmup` optimizer steps, then cosine decay to 5% by `steps`.
+    decay_step (schedule_step) places the decay on the clock; warmup always counts real steps: a warmup
+    cut short by a busy machine lets the first large updates wreck the young model (measured: valid chrF
+    13.4 vs 17.8 at the same step count)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
+    step = max(step, decay_step if decay_step is not None else step)
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
     return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -157,12 +164,14 @@ class Batcher:
 
 def loss_on(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], cfg: TrainConfig, pad: int,
             smoothing: float) -> tuple[torch.Tensor, int]:
-    if cfg.task == "translate":
-        src, lens, tin, tout = batch
-        logits = model(src, lens, tin)
-    else:
-        x, tout = batch
-        logits = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):  # weights and optimizer stay fp32
+        if cfg.task == "translate":
+            src, lens, tin, tout = batch
+            logits = model(src, lens, tin)
+        else:
+            x, tout = batch
+            logits = model(x)
+    logits = logits.float()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tout.reshape(-1), ignore_index=pad,
                            label_smoothing=smoothing)
     return loss, int((tout != pad).sum())
@@ -184,6 +193,33 @@ def validate(model, tok: Tokenizer, cfg: TrainConfig, max_len: int, final: bool 
     return out
 
 
+class WeightAverage:
+    """Exponential moving average of the parameters (Polyak averaging), with a warm-up of the decay so the
+    average is not dominated by the random initial weights. `swapped()` evaluates or saves with it."""
+
+    def __init__(self, model: torch.nn.Module, decay: float, state: list[torch.Tensor] | None = None) -> None:
+        self.params = [p for p in model.parameters()]
+        self.decay = decay
+        self.shadow = [t.clone() for t in state] if state else [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1.0 - d)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+
+
+def _better(a: dict, b: dict) -> bool:
+    """True when metrics a beat metrics b (higher chrF, lower bits per char)."""
+    return a["valid_chrf"] > b["valid_chrf"] if "valid_chrf" in a else a["valid_bpc"] < b["valid_bpc"]
+
+
 def plot_curves(history: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -196,6 +232,9 @@ def plot_curves(history: list[dict], path: Path) -> None:
     ev = [h for h in history if "eval" in h]
     key = "valid_chrf" if ev and "valid_chrf" in ev[0]["eval"] else "valid_bpc"
     ax[1].plot([h["step"] for h in ev], [h["eval"][key] for h in ev], marker="o", label=key)
+    ema = [h for h in ev if "eval_ema" in h]
+    if ema:
+        ax[1].plot([h["step"] for h in ema], [h["eval_ema"][key] for h in ema], marker="x", label=f"{key} (EMA weights)")
     ax[1].set_xlabel("step"), ax[1].legend(), ax[1].grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -225,6 +264,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         torch.set_rng_state(state["torch_rng"])
         step, elapsed0 = int(state["step"]), float(state["elapsed"])
         history = json.loads(state["history"])
+    avg = WeightAverage(model, cfg.ema, state.get("ema") if state else None) if cfg.ema else None
     batcher = Batcher(cfg, tok, mcfg.max_len)
     meta_base = {"train_config": asdict(cfg), "parameters": count_parameters(model)}
     print(f"{cfg.task}/{cfg.preset}: {count_parameters(model) / 1e6:.2f}M parameters, vocab {tok.vocab_size}, "
@@ -233,6 +273,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     def save(final_metrics: dict | None = None) -> None:
         train_state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
                        "step": step, "elapsed": elapsed, "history": json.dumps(history)}
+        if avg:
+            train_state["ema"] = avg.shadow
         meta = {**meta_base, "step": step, "elapsed_s": round(elapsed, 1), "metrics": final_metrics or {}}
         save_checkpoint(out, model, mcfg, cfg.task, out / TOKENIZER, meta, train_state)
 
@@ -242,7 +284,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                mininterval=2.0)
     run_loss, run_tok = 0.0, 0
     while step < cfg.steps:
-        lr = lr_at(schedule_step(step, elapsed, cfg), cfg)
+        lr = lr_at(step, cfg, schedule_step(step, elapsed, cfg))
         for g in opt.param_groups:
             g["lr"] = lr
         loss, ntok = loss_on(model, batcher.batch(step), cfg, tok.pad_id, cfg.label_smoothing)
@@ -250,6 +292,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
+        if avg:
+            avg.update(step)
         step += 1
         elapsed = elapsed0 + time.time() - t0
         run_loss, run_tok = run_loss + loss.item() * ntok, run_tok + ntok
@@ -261,7 +305,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         out_of_time = bool(cfg.time_budget_s and elapsed >= cfg.time_budget_s) or step == cfg.stop_at
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
             history.append({"step": step, "eval": validate(model, tok, cfg, mcfg.max_len), "elapsed_s": round(elapsed, 1)})
-            bar.write(f"step {step}: {history[-1]['eval']} ({elapsed:.0f}s)")
+            if avg:
+                avg.swap()
+                history[-1]["eval_ema"] = validate(model, tok, cfg, mcfg.max_len)
+                avg.swap()
+            bar.write(f"step {step}: {history[-1]['eval']} ema {history[-1].get('eval_ema')} ({elapsed:.0f}s)")
             save()
         if out_of_time:
             bar.write(f"stopping at step {step} (time budget or --stop-at)")
@@ -269,22 +317,33 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     bar.close()
     final = validate(model, tok, cfg, mcfg.max_len, final=True)
     history.append({"step": step, "eval": final, "elapsed_s": round(elapsed, 1)})
+    weights = "last"
+    if avg:
+        avg.swap()
+        final_ema = validate(model, tok, cfg, mcfg.max_len, final=True)
+        history[-1]["eval_ema"] = final_ema
+        if _better(final_ema, final):  # chosen on the valid split; the test split stays unseen
+            final, weights = final_ema, "ema"
+        else:
+            avg.swap()
+    meta_base["weights"] = weights
     save(final)
     metrics = {"task": cfg.task, "preset": cfg.preset, "steps": step, "train_seconds": round(elapsed, 1),
-               "parameters": count_parameters(model), "final": final, "history": history}
+               "parameters": count_parameters(model), "weights": weights, "final": final, "history": history}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     plot_curves(history, out / "loss_curve.png")
     return metrics
 
 
-# The default runs `make serve` trains: sized for ~20 minutes on a 2-core CPU (see README for figures).
+# The default runs `make serve` trains, one after the other on both cores: 19 minutes for the translator,
+# 10 for the LM (which meets its target with room to spare); figures and commands in README.
 RECIPES: dict[str, dict] = {
-    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=1100,
-                      time_budget_s=1140, batch_tokens=3000, lr=1.5e-3, warmup=150, vocab_size=4000,
-                      eval_every=250),
-    "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=1100,
-                     time_budget_s=1140, lm_batch=24, lm_window=128, lr=1.5e-3, warmup=150, vocab_size=4000,
-                     eval_every=250),
+    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=5000,
+                      time_budget_s=1140, batch_tokens=3000, lr=2e-3, warmup=400, vocab_size=4000,
+                      eval_every=500, bf16=True, ema=0.999),
+    "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=3000,
+                     time_budget_s=600, lm_batch=24, lm_window=128, lr=1.5e-3, warmup=200, vocab_size=4000,
+                     eval_every=500, bf16=True, ema=0.999),
 }
 
 

@@ -124,6 +124,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def markdown(doc: dict) -> str:
     lines = [f"Engine benchmark: {doc['bundle']} ({doc['model']}), provider {doc['provider']}, "
+             f"{doc.get('threads') or 'default'} ORT thread(s), {doc.get('slots', '?')} KV slots, "
              f"{doc['rounds']} rounds, outputs {doc['min_new']}-{doc['max_new']} tokens, "
              f"{doc['requests_per_client']} requests per client", "",
              "tokens/s: while all clients have a request in (steady state); whole run: including the drain at "
@@ -142,7 +143,7 @@ def markdown(doc: dict) -> str:
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    slots = max(args.concurrency)
+    slots = max(args.slots or 0, max(args.concurrency))
     cfg = EngineConfig(max_slots=slots, max_waiting=4 * slots, max_tokens_per_step=args.max_tokens_per_step,
                        provider=args.provider, intra_op_threads=args.threads, max_batch_size=slots)
     engine = Engine.from_bundle(args.bundle, cfg)
@@ -166,7 +167,7 @@ async def bench(args: argparse.Namespace) -> dict:
     bundle_cfg = engine.runtime.bundle.model_config if hasattr(engine.runtime, "bundle") else {}
     return {"bundle": str(args.bundle), "model": {k: bundle_cfg.get(k) for k in
                                                    ("arch", "d_model", "n_decoder_layers", "vocab_size", "max_len")},
-            "provider": getattr(engine.runtime, "provider", "?"), "threads": args.threads,
+            "provider": getattr(engine.runtime, "provider", "?"), "threads": args.threads, "slots": slots,
             "rounds": args.rounds, "min_new": args.min_new, "max_new": args.max_new,
             "requests_per_client": args.requests_per_client, "batch_wait_s": args.batch_wait_s,
             "max_tokens_per_step": args.max_tokens_per_step,
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--min-new", type=int, default=8)
     p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--slots", type=int, help="KV slots in the pool (default: the largest concurrency)")
     p.add_argument("--batch-wait-s", type=float, default=0.01)
     p.add_argument("--max-tokens-per-step", type=int, default=2048)
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])

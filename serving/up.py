@@ -1,7 +1,7 @@
 """`kvserve up` (what `make serve` runs): whatever is missing is made, then both models are served.
 
     data      artifacts/data/{translate,generate}      kvserve data
-    train     artifacts/ckpt/{translate,generate}      kvserve train   (both at once, one core each)
+    train     artifacts/ckpt/{translate,generate}      kvserve train   (one after the other, two cores each)
     export    artifacts/bundles/{translate,generate}   kvserve export
     serve     Ray Serve on http://127.0.0.1:8000       kvserve serve
 
@@ -31,20 +31,19 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def _train_missing(art: Path, tasks: list[str], preset: str) -> None:
-    """Train the missing models at the same time, one core each: `make serve` on a fresh 2-core machine
-    is ready in about 20 minutes (each run is time-budgeted), not 40."""
-    procs = []
+    """Train the missing models one after the other, each on both cores with its own time budget
+    (`model/train.py` RECIPES: 19 + 10 minutes). Measured here (bf16): a run alone on two cores makes 3.1
+    steps/s, each of two runs at once on one core 2.2, so one at a time trains each model more."""
     for task in tasks:
         out = art / "ckpt" / task
         cmd = _kvserve("train", "--task", task, "--preset", preset, "--out", str(out),
-                       "--data-dir", str(art / "data"), "--threads", "1" if len(tasks) > 1 else "2")
+                       "--data-dir", str(art / "data"), "--threads", "2")
         if (out / "train_state.pt").is_file() and not (out / "metrics.json").is_file():
             cmd.append("--resume")  # an interrupted run continues where it stopped
-        print(f"==> train {task}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-        procs.append((task, subprocess.Popen(cmd)))
-    failed = [task for task, p in procs if p.wait() != 0]
-    if failed:
-        raise RuntimeError(f"training failed for {failed}; see the output above")
+        try:
+            _run(cmd, f"train {task}")
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"training failed for {task} (exit {e.returncode}); see the output above") from e
 
 
 def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small") -> int:

@@ -35,12 +35,17 @@ def test_dictionary_sentences_are_extracted_and_words_skipped(tmp_path):
         "Das steht noch dahin. /das ʃtˈeːt/\nThat remains to be seen., That's not decided yet.\n see: {x}\n\n",
         "Fleischeslust /flˈaɪʃ/ <fem, n, sg>\nlust of the flesh\n\n",
         "Gib Pfote! /ɡˈiːp/\nShake hands!\n\n",
+        "Kleider machen Leute. /klˈaɪdɜ/\n [Sprw.] Clothes make the man., fine feathers make fine birds [prov.]\n\n",
+        "Schönen Tag noch! /ʃˈøːnən/\nHave a nice day!HAND, /hˈant/\n\n",
     ])
     pairs = list(data.dictionary_sentence_pairs(dz))
     assert pairs == [
         ("That remains to be seen.", "Das steht noch dahin."),
         ("That's not decided yet.", "Das steht noch dahin."),
         ("Shake hands!", "Gib Pfote!"),
+        ("Clothes make the man.", "Kleider machen Leute."),  # usage labels go, the case and stop are mended
+        ("Fine feathers make fine birds.", "Kleider machen Leute."),
+        ("Have a nice day!", "Schönen Tag noch!"),  # an acronym with its pronunciation goes
     ]
 
 

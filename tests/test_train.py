@@ -83,3 +83,46 @@ def test_time_budget_schedule_follows_the_clock():
     assert schedule_step(700, 50.0, c) == 700  # a fast machine follows its steps
     assert schedule_step(10, 500.0, c) == 1000
     assert schedule_step(10, 50.0, TrainConfig(steps=1000)) == 10  # no budget: steps only, reproducible
+    w = TrainConfig(steps=1000, warmup=100, lr=1e-3, time_budget_s=100.0)
+    assert lr_at(10, w, schedule_step(10, 50.0, w)) == pytest.approx(1e-3 * 11 / 100)  # warmup counts real steps
+    assert lr_at(200, w, schedule_step(200, 50.0, w)) == pytest.approx(lr_at(500, w))  # the decay follows the clock
+
+
+@pytest.mark.parametrize("task", ["translate", "generate"])
+def test_bf16_and_weight_average_resume_exactly_and_keep_the_better_weights(tmp_path, data_dir, task):
+    kw = dict(bf16=True, ema=0.9)
+    a = train(cfg(tmp_path / "a", data_dir, task, **kw))
+    train(cfg(tmp_path / "b", data_dir, task, stop_at=3, **kw))
+    b = train(cfg(tmp_path / "b", data_dir, task, **kw), resume=True)
+    wa, wb = weights(tmp_path / "a" / task), weights(tmp_path / "b" / task)
+    for k in wa:  # the moving average is part of the train state: a resumed run ends identically
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    assert a["final"] == b["final"] and a["weights"] in ("last", "ema")
+    last = a["history"][-1]
+    key = "valid_chrf" if task == "translate" else "valid_bpc"
+    chosen = last["eval_ema"] if a["weights"] == "ema" else last["eval"]
+    other = last["eval"] if a["weights"] == "ema" else last["eval_ema"]
+    assert a["final"] == chosen  # the kept weights are the ones whose valid figure is reported
+    assert (chosen[key] >= other[key]) if task == "translate" else (chosen[key] <= other[key])
+    # the saved weights are the chosen ones: evaluating the checkpoint reproduces the reported figure
+    ev = evaluate_checkpoint(str(tmp_path / "a" / task), split="valid", data_dir=data_dir)
+    if task == "translate":
+        assert ev["chrf"] == pytest.approx(chosen["valid_chrf"], abs=0.01)
+    else:
+        assert ev["bits_per_char"] == pytest.approx(chosen["valid_bpc"], abs=1e-3)
+
+
+def test_weight_average_tracks_the_parameters():
+    from model.train import WeightAverage
+    m = torch.nn.Linear(2, 2)
+    avg = WeightAverage(m, decay=0.5)
+    with torch.no_grad():
+        m.weight.add_(1.0)
+    before = avg.shadow[0].clone()
+    avg.update(step=1000)  # decay capped at 0.5: halfway to the new weights
+    torch.testing.assert_close(avg.shadow[0], before + 0.5)
+    w = m.weight.detach().clone()
+    avg.swap()
+    torch.testing.assert_close(m.weight.detach(), before + 0.5)
+    avg.swap()
+    torch.testing.assert_close(m.weight.detach(), w)
