@@ -331,7 +331,7 @@ def test_trained_bundle_chrf_over_http_equals_evaluate(server):
         start(server["raw"], timeout_s=120)  # back to the session's applications
 
 
-# -- live reconfiguration (last: it changes the deployed config) ----------------------------------------------
+# -- live reconfiguration (it changes the deployed config: only order-tolerant tests follow) ------------------
 def test_reconfigure_is_live(client, server):
     from ray import serve
     from serving.serve_cli import start
@@ -352,30 +352,6 @@ def test_reconfigure_is_live(client, server):
     assert {i["pid"] for i in infos} <= pids  # same replicas: reconfigured, not restarted
     r = client.post("/v1/generate", json={"prompt": "the quick", "max_tokens": 5})  # through @serve.batch
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-
-
-def test_shutdown_drains_in_flight_requests(server):
-    """What `kvserve serve` does on Ctrl-C/SIGTERM (serve_cli.stop): delete the app first, so in-flight
-    requests finish (graceful_shutdown_*) while new ones are refused; then Serve and Ray stop (teardown)."""
-    from ray import serve
-    from serving.serve_cli import start
-
-    raw = json.loads(json.dumps(server["raw"]))
-    dep = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "waitgen")
-    dep["user_config"]["batch_wait_timeout_s"] = 2.0  # live: a lone request now waits 2 s for its batch
-    start(raw, timeout_s=120)
-    time.sleep(1.0)  # reconfigure reaches the replica
-    with cf.ThreadPoolExecutor(1) as pool:
-        t0 = time.monotonic()
-        slow = pool.submit(httpx.post, server["base"] + "/v1/generate", timeout=30,
-                           json={"prompt": "the", "model": "waitgen", "max_tokens": 3})
-        time.sleep(0.5)
-        assert not slow.done()
-        serve.delete("kvserve", _blocking=True)
-        r = slow.result()
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] >= 1 and time.monotonic() - t0 >= 2.0
-    assert httpx.get(server["base"] + "/v2/health/live", timeout=10).status_code == 404
 
 
 # -- the load tester against this server ---------------------------------------------------------------------
@@ -400,3 +376,28 @@ def test_loadtest_report_agrees_with_server_metrics(client, server):
     assert _metric(after, "kvserve_requests_total", **labels) - _metric(before, "kvserve_requests_total", **labels) == sent
     assert (_metric(after, "kvserve_generated_tokens_total", model="generate")
             - _metric(before, "kvserve_generated_tokens_total", model="generate")) == tokens
+
+
+# -- last: it deletes the app the other tests share ---------------------------------------------------------
+def test_shutdown_drains_in_flight_requests(server):
+    """What `kvserve serve` does on Ctrl-C/SIGTERM (serve_cli.stop): delete the app first, so in-flight
+    requests finish (graceful_shutdown_*) while new ones are refused; then Serve and Ray stop (teardown)."""
+    from ray import serve
+    from serving.serve_cli import start
+
+    raw = json.loads(json.dumps(server["raw"]))
+    dep = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "waitgen")
+    dep["user_config"]["batch_wait_timeout_s"] = 2.0  # live: a lone request now waits 2 s for its batch
+    start(raw, timeout_s=120)
+    time.sleep(1.0)  # reconfigure reaches the replica
+    with cf.ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        slow = pool.submit(httpx.post, server["base"] + "/v1/generate", timeout=30,
+                           json={"prompt": "the", "model": "waitgen", "max_tokens": 3})
+        time.sleep(0.5)
+        assert not slow.done()
+        serve.delete("kvserve", _blocking=True)
+        r = slow.result()
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1 and time.monotonic() - t0 >= 2.0
+    assert httpx.get(server["base"] + "/v2/health/live", timeout=10).status_code == 404
