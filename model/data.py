@@ -130,7 +130,7 @@ def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
             en = clean(_ACRONYM_TAIL.sub("", en))
             if en[:1].islower():
                 en = en[0].upper() + en[1:]
-            if en and en[-1] not in ".?!" and not en.endswith("…"):
+            if en and en[-1] not in ".?!…":
                 en += de[-1]  # the German side ends a sentence; a few English ones lost their stop
             if _SENTENCE.match(en) and len(en.split()) >= 2:
                 yield en, de

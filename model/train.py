@@ -64,7 +64,8 @@ def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
     13.4 vs 17.8 at the same step count)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    step = max(step, decay_step if decay_step is not None else step)
+    if decay_step is not None:
+        step = max(step, decay_step)
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
     return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
