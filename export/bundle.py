@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from export.contract import (FORMAT_VERSION, MANIFEST_FILE, Dims, GraphContract, decoder_contract,
-                             encoder_contract)
+from export.contract import (DECODER_CPU_FILE, FORMAT_VERSION, MANIFEST_FILE, Dims, GraphContract,
+                             decoder_contract, encoder_contract, has_cpu_decoder)
 from model.config import Arch, ModelConfig
 
 TASKS = ("translate", "generate")
@@ -50,13 +50,17 @@ def dims_for(cfg: ModelConfig, float_dtype: str = "float32") -> Dims:
                 max_len=cfg.max_len, vocab_size=cfg.vocab_size, float_dtype=float_dtype)
 
 
-def graph_contracts(cfg: ModelConfig, float_dtype: str = "float32") -> dict[str, GraphContract]:
-    """The graphs of a bundle for this config: {"encoder": ..., "decoder": ...} or {"decoder": ...}."""
+def graph_contracts(cfg: ModelConfig, float_dtype: str = "float32",
+                    cpu_decoder: bool | None = None) -> dict[str, GraphContract]:
+    """The graphs of a bundle for this config: {"encoder"?, "decoder", "decoder_cpu"?} (see contract.py);
+    cpu_decoder=None: decoder_cpu wherever the dims allow it."""
     d = dims_for(cfg, float_dtype)
     cross = cfg.arch == Arch.ENCODER_DECODER
     graphs = {"decoder": decoder_contract(d, cross)}
     if cross:
         graphs = {"encoder": encoder_contract(d), **graphs}
+    if has_cpu_decoder(d) if cpu_decoder is None else cpu_decoder:
+        graphs["decoder_cpu"] = replace(graphs["decoder"], file=DECODER_CPU_FILE)
     return graphs
 
 
@@ -170,6 +174,8 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
     except ValueError as e:
         raise BundleError(f"bundle {bundle_dir}/{MANIFEST_FILE}: {e}") from e
     want = {k: c.to_dict() for k, c in graph_contracts(cfg, variant.float_dtype).items()}
+    if "decoder_cpu" not in doc["graphs"]:  # bundles exported before decoder_cpu.onnx existed
+        want.pop("decoder_cpu", None)
     if doc["graphs"] != want:
         raise BundleError(f"bundle {bundle_dir}/{MANIFEST_FILE}: its graph contracts differ from the ones "
                           f"export/contract.py derives from its model config (graphs {sorted(want)}); "

@@ -6,7 +6,11 @@ imports neither torch nor onnxruntime.
 Graphs of a bundle:
 - translation: `encoder.onnx` (source -> cross-attention keys/values of every decoder layer) and
   `decoder.onnx` (one step of the decoder, prefill or decode, with the self-attention KV cache);
-- generation: `decoder.onnx` only (no cross inputs).
+- generation: `decoder.onnx` only (no cross inputs);
+- both, fp32/int8 variants with head_dim % 8 == 0: `decoder_cpu.onnx` beside `decoder.onnx`, the same
+  contract, its self-attention being ONNX Runtime's `com.microsoft.GroupQueryAttention` (in-place KV write,
+  each row attends over its own cached length only, no copy of the live cache prefix). The CPU EP runs it;
+  `decoder.onnx` (standard ONNX ops only) is the portable graph every EP can run (CUDA runs that one).
 
 Decoder step semantics (the same as model.transformer's cached path):
 - `input_ids[b, :input_len[b]]` are row b's new tokens (right-padded to new_tokens);
@@ -25,6 +29,7 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 ENCODER_FILE = "encoder.onnx"
 DECODER_FILE = "decoder.onnx"
+DECODER_CPU_FILE = "decoder_cpu.onnx"
 
 # Symbolic dimension names.
 BATCH, NEW_TOKENS, SRC_TOKENS = "batch", "new_tokens", "src_tokens"
@@ -116,3 +121,9 @@ def decoder_contract(d: Dims, cross: bool) -> GraphContract:
             inputs += [TensorSpec(cross_key(i), d.float_dtype, kv), TensorSpec(cross_value(i), d.float_dtype, kv)]
         inputs.append(TensorSpec("src_len", "int64", (BATCH,)))
     return GraphContract(DECODER_FILE, tuple(inputs), tuple(outputs))
+
+
+def has_cpu_decoder(d: Dims) -> bool:
+    """Whether a bundle of these dims carries decoder_cpu.onnx: float32 graphs (fp32, int8) whose head size
+    ONNX Runtime's GroupQueryAttention CPU kernel accepts (a multiple of 8)."""
+    return d.float_dtype == "float32" and d.head_dim % 8 == 0

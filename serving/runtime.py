@@ -8,6 +8,11 @@ keys/values `[n_slots, H, M, Dh]` and, for translation, cross-attention keys/val
 slots, KV updated in place through IOBinding: past and present bound to the same rows), `copy_slots`
 (beam reordering, compaction) and `reset_slots`.
 
+Decoder graph: on the CPU EP, a bundle's `decoder_cpu.onnx` where it has one (GroupQueryAttention: per-row
+cache lengths, no prefix copies; export/contract.py), else the portable `decoder.onnx`. That kernel runs a
+batch of several multi-token rows only when none has a cache yet, so `step` runs other prefill calls as
+runs it accepts (rows without a cache together, each continued row alone, trimmed to its tokens).
+
 Slot data never leaves the device: rows [start, start+n) are bound by pointer (a view, no copy); slot
 copies and the placement of encoder outputs run as two tiny ONNX graphs (Gather+ScatterND, TensorScatter)
 bound in place, so the same code path serves the CPU and CUDA EPs.
@@ -116,11 +121,28 @@ class _SlotBuffer:
         return self.host if self.host is not None else self.value.numpy()
 
 
+def _gqa_runs(input_len: np.ndarray, write_pos: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first row, end row, new tokens) of the calls GroupQueryAttention accepts for a multi-token step:
+    consecutive rows without a cache together (right-padded to their longest), each row with a cache alone
+    with exactly its own tokens (its kernel takes every new token of such a row as real)."""
+    runs: list[tuple[int, int, int]] = []
+    a, n = 0, len(write_pos)
+    while a < n:
+        b = a + 1
+        if write_pos[a] == 0:
+            while b < n and write_pos[b] == 0:
+                b += 1
+        runs.append((a, b, int(input_len[a:b].max())))
+        a = b
+    return runs
+
+
 class ModelRuntime:
     """Sessions + KV slots of one bundle. The engine owns which slot holds which request."""
 
     def __init__(self, bundle: Bundle, n_slots: int, provider: str = "auto",
-                 intra_op_threads: int | None = None, max_src_len: int | None = None) -> None:
+                 intra_op_threads: int | None = None, max_src_len: int | None = None,
+                 decoder_graph: str | None = None) -> None:
         cfg = bundle.config
         if n_slots < 1:
             raise ValueError(f"n_slots={n_slots} must be >= 1")
@@ -137,7 +159,13 @@ class ModelRuntime:
         self._dtype = np.dtype(bundle.variant.float_dtype)
         elem = helper.np_dtype_to_tensor_dtype(self._dtype)
 
-        self._decoder = self._session(bundle.read_graph("decoder"), "decoder")
+        if decoder_graph is None:
+            decoder_graph = "decoder_cpu" if self._provider == CPU_EP and "decoder_cpu" in bundle.paths else "decoder"
+        if decoder_graph not in ("decoder", "decoder_cpu") or decoder_graph not in bundle.paths:
+            raise ValueError(f"decoder_graph={decoder_graph!r}: the bundle's decoder graphs are "
+                             f"{sorted(k for k in bundle.paths if k.startswith('decoder'))}")
+        self.decoder_graph = decoder_graph
+        self._decoder = self._session(bundle.read_graph(decoder_graph), decoder_graph)
         self._encoder = self._session(bundle.read_graph("encoder"), "encoder") if bundle.is_encoder_decoder else None
         kv = (n_slots, cfg.n_heads, cfg.max_len, cfg.head_dim)
         self._self_kv = {n: _SlotBuffer(kv, self._dtype, self._device)
@@ -227,6 +255,15 @@ class ModelRuntime:
         input_len = np.ascontiguousarray(input_len, np.int64)
         write_pos = np.ascontiguousarray(write_pos, np.int64)
         n = self._check_step(start, input_ids, input_len, write_pos)
+        if self.decoder_graph == "decoder_cpu" and input_ids.shape[1] > 1 and write_pos.any():
+            return np.concatenate([self._run_decoder(start + a, np.ascontiguousarray(input_ids[a:b, :width]),
+                                                     input_len[a:b], write_pos[a:b])
+                                   for a, b, width in _gqa_runs(input_len, write_pos)])
+        return self._run_decoder(start, input_ids, input_len, write_pos)
+
+    def _run_decoder(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
+                     write_pos: np.ndarray) -> np.ndarray:
+        n = input_ids.shape[0]
         io = self._decoder.io_binding()
         io.bind_output("logits")  # on the host (ORT copies it off the device); first of get_outputs()
         io.bind_cpu_input("input_ids", input_ids)

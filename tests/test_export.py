@@ -25,27 +25,35 @@ def bundles(tmp_path_factory):
 @pytest.mark.parametrize("task", TASKS)
 def test_every_graph_passes_onnx_checker_and_uses_fused_ops(bundles, task):
     b = load_bundle(bundles[task])
-    assert set(b.paths) == ({"encoder", "decoder"} if task == "translate" else {"decoder"})
+    decoders = {"decoder", "decoder_cpu"}
+    assert set(b.paths) == (decoders | {"encoder"} if task == "translate" else decoders)
     for name, path in b.paths.items():
         onnx.checker.check_model(str(path), full_check=True)
-        ops = count_ops(path)
-        assert ops["Attention"] >= 1, f"{name}: SDPA did not become the ONNX Attention op: {ops}"
-    # one in-place KV write per cache (keys and values of each layer), no concat-style cache growth: the
-    # past caches feed TensorScatter and nothing that would copy them
-    ops = count_ops(b.paths["decoder"])
-    assert ops["TensorScatter"] == 2 * b.config.n_decoder_layers
-    graph = onnx.load(str(b.paths["decoder"])).graph
-    for past in (i.name for i in graph.input if i.name.startswith("past_")):
-        consumers = {n.op_type for n in graph.node if past in n.input}
-        assert consumers <= {"TensorScatter", "Shape"}, (past, consumers)
+    # decoder.onnx, the portable graph: SDPA became the fused ONNX Attention op; one in-place KV write per
+    # cache (keys and values of each layer), no concat-style cache growth: the past caches feed
+    # TensorScatter and nothing that would copy them
+    for name in b.paths.keys() - {"decoder_cpu"}:
+        assert count_ops(b.paths[name])["Attention"] >= 1, f"{name}: SDPA did not become the Attention op"
+    n_layers = b.config.n_decoder_layers
+    assert count_ops(b.paths["decoder"])["TensorScatter"] == 2 * n_layers
+    # decoder_cpu.onnx: one GroupQueryAttention per self-attention, which takes the caches itself
+    ops = count_ops(b.paths["decoder_cpu"])
+    assert ops["GroupQueryAttention"] == n_layers and ops["TensorScatter"] == 0
+    assert ops["Attention"] == (n_layers if task == "translate" else 0)  # cross-attention stays standard
+    for name, allowed in (("decoder", {"TensorScatter", "Shape"}), ("decoder_cpu", {"GroupQueryAttention"})):
+        graph = onnx.load(str(b.paths[name])).graph
+        for past in (i.name for i in graph.input if i.name.startswith("past_")):
+            consumers = {n.op_type for n in graph.node if past in n.input}
+            assert consumers <= allowed, (name, past, consumers)
 
 
+@pytest.mark.parametrize("graph", ["decoder", "decoder_cpu"])
 @pytest.mark.parametrize("task", TASKS)
-def test_fp32_logits_match_pytorch_at_every_step_untraced_shapes(bundles, task):
+def test_fp32_logits_match_pytorch_at_every_step_untraced_shapes(bundles, task, graph):
     """Batch sizes 1, 2, 5, 7 and lengths 1..13 (traced: batch 3, 4 new tokens, 5 source tokens), right-padded
     mixed lengths, 20 greedy steps, rows bound at an offset inside the slot pool."""
     ck = load_checkpoint(checkpoint_of(bundles[task]))
-    rt = ModelRuntime(load_bundle(bundles[task]), n_slots=9, provider="cpu")
+    rt = ModelRuntime(load_bundle(bundles[task]), n_slots=9, provider="cpu", decoder_graph=graph)
     ref = TorchRuntime(ck.model, 9, ck.tokenizer.special_ids)
     bos = None if task == "translate" else ck.tokenizer.bos_id
     for i, (batch, lengths) in enumerate(SYNTHETIC_BATCHES):
@@ -56,11 +64,12 @@ def test_fp32_logits_match_pytorch_at_every_step_untraced_shapes(bundles, task):
         assert r["rows_greedy_identical"] == batch, r
 
 
+@pytest.mark.parametrize("graph", ["decoder", "decoder_cpu"])
 @pytest.mark.parametrize("task", TASKS)
-def test_greedy_outputs_identical_to_pytorch(bundles, task):
+def test_greedy_outputs_identical_to_pytorch(bundles, task, graph):
     ck = load_checkpoint(checkpoint_of(bundles[task]))
     tok = ck.tokenizer
-    rt = ModelRuntime(load_bundle(bundles[task]), n_slots=6, provider="cpu")
+    rt = ModelRuntime(load_bundle(bundles[task]), n_slots=6, provider="cpu", decoder_graph=graph)
     ref = TorchRuntime(ck.model, 6, tok.special_ids)
     texts = ["Where is the cat?", "Good morning.", "The children read a book in the garden today.", "Tür",
              "We go.", "Bitte!", "A cup of coffee, please."]
@@ -76,7 +85,7 @@ def test_greedy_outputs_identical_to_pytorch(bundles, task):
 
 def test_manifest_records_hashes_source_and_parity(bundles):
     m = load_bundle(bundles["translate"]).manifest
-    assert set(m["files"]) == {"manifest.json", "tokenizer.json", "encoder.onnx", "decoder.onnx"} - {"manifest.json"}
+    assert set(m["files"]) == {"tokenizer.json", "encoder.onnx", "decoder.onnx", "decoder_cpu.onnx"}
     assert all(len(h) == 64 for h in m["files"].values())
     assert len(m["source"]["weights_sha256"]) == 64
     assert m["tokenizer"]["special_ids"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}

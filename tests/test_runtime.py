@@ -78,6 +78,26 @@ def test_runtime_step_keeps_cache_addresses_and_writes_rows(bundles):
     assert np.abs(k[1, :, :4]).min() > 0 and np.abs(k[2, :, :3]).min() > 0
 
 
+@pytest.mark.parametrize("graph", ["decoder", "decoder_cpu"])
+def test_multi_token_steps_on_rows_with_and_without_a_cache_match_pytorch(bundles, graph):
+    """Chunked prefill beside joiners: one call with rows that continue their cache (several new tokens,
+    right-padded) and rows that start fresh, then decode steps. decoder_cpu's kernel cannot take such a
+    batch in one run, so the runtime splits it; either way the logits are PyTorch's."""
+    ck = load_checkpoint(checkpoint_of(bundles["generate"]))
+    rt = ModelRuntime(load_bundle(bundles["generate"]), n_slots=6, provider="cpu", decoder_graph=graph)
+    ref = TorchRuntime(ck.model, 6, ck.tokenizer.special_ids)
+    g = np.random.default_rng(3)
+    ids = lambda n, t: g.integers(4, ck.config.vocab_size, (n, t)).astype(np.int64)
+    calls = [  # (start, ids, input_len, write_pos)
+        (1, ids(3, 5), np.array([5, 3, 4]), np.zeros(3, np.int64)),  # first chunks, right-padded
+        (1, ids(5, 4), np.array([4, 2, 3, 4, 1]), np.array([5, 3, 0, 0, 4])),  # continue, fresh, continue
+        (1, ids(5, 1), np.ones(5, np.int64), np.array([9, 5, 3, 4, 5])),  # decode
+        (1, ids(5, 1), np.ones(5, np.int64), np.array([10, 6, 4, 5, 6])),
+    ]
+    for start, x, lens, wpos in calls:
+        np.testing.assert_allclose(rt.step(start, x, lens, wpos), ref.step(start, x, lens, wpos), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("task", ["translate", "generate"])
 def test_copy_slots_overlapping_moves_whole_rows(bundles, task):
     b = load_bundle(bundles[task])
