@@ -9,7 +9,8 @@ alternated within every iteration (the order rotates), so a noisy shared machine
 the figures are medians, and the headline is the ratio PyTorch / backend (> 1 = faster than PyTorch).
 PyTorch runs `model.step` under inference_mode with the same thread count as ONNX Runtime.
 
-Owns: the measurement and its report (JSON, or a markdown table for docs/benchmarks.md).
+Owns: the measurement and its report (JSON, or a markdown table for docs/benchmarks.md; `markdown` is the one
+renderer of that table, torch-free to import: loadtest/bench_doc.py embeds it).
 Does not own: end-to-end serving benchmarks (loadtest/), the runtime (serving/runtime.py).
 """
 from __future__ import annotations
@@ -25,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 
 def _ort_stepper(bundle: Path, batch: int, context: int, threads: int, ids: np.ndarray) -> Callable[[], None]:
@@ -41,6 +41,8 @@ def _ort_stepper(bundle: Path, batch: int, context: int, threads: int, ids: np.n
 
 
 def _torch_stepper(model: Any, batch: int, context: int, ids: np.ndarray) -> Callable[[], None]:
+    import torch
+
     t_ids = torch.from_numpy(ids)
     kw: dict[str, Any] = {}
     with torch.inference_mode():
@@ -74,6 +76,8 @@ def measure(steppers: dict[str, Callable[[], None]], iters: int, warmup: int = 1
 
 def run(checkpoint: Path, fp32: Path, int8: Path | None, batches: list[int], context: int, iters: int,
         threads: int) -> dict[str, Any]:
+    import torch
+
     from model.checkpoint import load_checkpoint
 
     torch.set_num_threads(threads)
@@ -97,16 +101,18 @@ def run(checkpoint: Path, fp32: Path, int8: Path | None, batches: list[int], con
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"Decode step ({result['task']}, {result['context']} cached tokens per row, {result['threads']} "
-             f"thread(s), median of {result['iters']} alternated calls):", "",
-             "| batch | PyTorch eager ms | ORT fp32 ms | ORT int8 ms | fp32 vs PyTorch | int8 vs PyTorch "
-             "| int8 vs fp32 |",
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    lines = [f"**{result['task']}** (`{result['checkpoint']}`), {result['context']} cached tokens per row, "
+             f"{result['threads']} thread(s), median of {result['iters']} alternated calls:", "",
+             "| batch | PyTorch eager | ORT fp32 | ORT int8 | fp32 vs PyTorch | int8 vs PyTorch | int8 vs fp32 |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["rows"]:
         m, s = r["median_ms"], r["speedup_vs_pytorch"]
-        lines.append(f"| {r['batch']} | {m['pytorch']} | {m['ort_fp32']} | {m.get('ort_int8', '-')} | "
-                     f"{s['ort_fp32']}x | {s.get('ort_int8', '-')}{'x' if 'ort_int8' in s else ''} | "
-                     f"{str(r['int8_vs_fp32']) + 'x' if 'int8_vs_fp32' in r else '-'} |")
+        int8 = "-" if "ort_int8" not in m else f"{m['ort_int8']:.3f} ms"
+        lines.append(f"| {r['batch']} | {m['pytorch']:.3f} ms | {m['ort_fp32']:.3f} ms | {int8} | "
+                     f"{x(s['ort_fp32'])} | {x(s.get('ort_int8'))} | {x(r.get('int8_vs_fp32'))} |")
     return "\n".join(lines)
 
 

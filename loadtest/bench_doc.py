@@ -175,23 +175,11 @@ def render_http(b: dict[str, Any], inproc: dict[str, Any] | None = None) -> list
 
 
 # -- 2. In-process -------------------------------------------------------------------------------------
-def _step_table(r: dict[str, Any]) -> list[str]:
-    out = [f"**{r['task']}** (`{r['checkpoint']}`), {r['context']} cached tokens per row, {r['threads']} thread(s), "
-           f"median of {r['iters']} alternated calls:", "",
-           "| batch | PyTorch eager | ORT fp32 | ORT int8 | fp32 vs PyTorch | int8 vs PyTorch | int8 vs fp32 |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for row in r["rows"]:
-        m, sp = row["median_ms"], row["speedup_vs_pytorch"]
-        out.append(f"| {row['batch']} | {m['pytorch']:.3f} ms | {m['ort_fp32']:.3f} ms | "
-                   f"{'-' if 'ort_int8' not in m else format(m['ort_int8'], '.3f') + ' ms'} | {x(sp['ort_fp32'])} | "
-                   f"{x(sp.get('ort_int8'))} | {x(row.get('int8_vs_fp32'))} |")
-    return out + [""]
-
-
 def render_inprocess(b: dict[str, Any]) -> list[str]:
     out = ["## 2. In-process: ONNX Runtime vs PyTorch eager, and the engine's batching modes", ""]
     if not b.get("ok"):
         return out + _failed(b) + _commands(b)
+    from export.bench_step import markdown as step_markdown  # torch-free to import
     from serving.bench_engine import markdown as engine_markdown
 
     out += [_section_date(b), "", "### Decode step: ONNX Runtime fp32 / int8 vs PyTorch eager with KV cache", "",
@@ -199,7 +187,7 @@ def render_inprocess(b: dict[str, Any]) -> list[str]:
             "(export/bench_step.py). Speedup = PyTorch time / backend time.", ""]
     for task in ("generate", "translate"):
         if task in b["step"]:
-            out += _step_table(b["step"][task])
+            out += [step_markdown(b["step"][task]), ""]
     out += ["### Engine in-process: continuous vs request-level vs no batching", "",
             "The same engine and workload, no HTTP (serving/bench_engine.py, closed loop, modes alternated).", "",
             engine_markdown(b["engine"]), ""]

@@ -171,6 +171,7 @@ def test_provider_choice():
 
 
 def test_serving_side_modules_do_not_import_torch():
-    code = ("import sys; import export.bundle, export.evaluate, export.contract, serving.runtime; "
+    code = ("import sys; import export.bundle, export.evaluate, export.contract, export.bench_step, serving.runtime, "
+            "loadtest.bench_doc; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
