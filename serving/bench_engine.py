@@ -124,6 +124,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def markdown(doc: dict) -> str:
     lines = [f"Engine benchmark: {doc['bundle']} ({doc['model']}), provider {doc['provider']}, "
+             f"graph {doc.get('decoder_graph', 'decoder')}.onnx, "
              f"{doc.get('threads') or 'default'} ORT thread(s), {doc.get('slots', '?')} KV slots, "
              f"{doc['rounds']} rounds, outputs {doc['min_new']}-{doc['max_new']} tokens, "
              f"{doc['requests_per_client']} requests per client", "",
@@ -146,7 +147,12 @@ async def bench(args: argparse.Namespace) -> dict:
     slots = max(args.slots or 0, max(args.concurrency))
     cfg = EngineConfig(max_slots=slots, max_waiting=4 * slots, max_tokens_per_step=args.max_tokens_per_step,
                        provider=args.provider, intra_op_threads=args.threads, max_batch_size=slots)
-    engine = Engine.from_bundle(args.bundle, cfg)
+    from export.bundle import load_bundle
+    from serving.runtime import ModelRuntime
+
+    runtime = ModelRuntime(load_bundle(args.bundle), n_slots=slots, provider=args.provider,
+                           intra_op_threads=args.threads, decoder_graph=args.decoder_graph)
+    engine = Engine(runtime, cfg)
     await engine.start()
     rec = Recorder(engine)
     await run_once(engine, rec, BatchingMode.CONTINUOUS, slots, workload(slots, engine, 4, 8, seed=99), 0.0, "warm")
@@ -168,6 +174,7 @@ async def bench(args: argparse.Namespace) -> dict:
     return {"bundle": str(args.bundle), "model": {k: bundle_cfg.get(k) for k in
                                                    ("arch", "d_model", "n_decoder_layers", "vocab_size", "max_len")},
             "provider": getattr(engine.runtime, "provider", "?"), "threads": args.threads, "slots": slots,
+            "decoder_graph": getattr(engine.runtime, "decoder_graph", "decoder"),
             "rounds": args.rounds, "min_new": args.min_new, "max_new": args.max_new,
             "requests_per_client": args.requests_per_client, "batch_wait_s": args.batch_wait_s,
             "max_tokens_per_step": args.max_tokens_per_step,
@@ -191,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-per-step", type=int, default=2048)
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default: the runtime's)")
+    p.add_argument("--decoder-graph", choices=["decoder", "decoder_cpu"], default=None,
+                   help="the bundle's decoder graph to run (default: the runtime's choice for the provider)")
     args = p.parse_args(argv)
     if args.table:
         print(markdown(json.loads(args.table.read_text())))

@@ -131,6 +131,7 @@ def test_own_text_corpus_and_missing_split_message(tmp_path):
 @pytest.mark.slow
 def test_real_sources_are_fetched(tmp_path):
     meta = data.prepare_translation(tmp_path)
-    assert meta["counts"]["train"] > 10000 and meta["counts"]["test"] > 500
+    assert meta["counts"]["train"] > 20000 and meta["counts"]["test"] > 500
+    assert meta["sources"]["debian:trans-de-en (train only)"] > 8000
     gen = data.prepare_generation(tmp_path)
     assert gen["chars"]["train"] > 4_000_000 and "hamlet" in sum(gen["works"].values(), [])
