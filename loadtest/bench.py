@@ -44,8 +44,8 @@ class BenchPlan:
     step_context: int = 32
     step_iters: int = 200
     engine_concurrency: tuple[int, ...] = (1, 8, 32)
-    engine_rounds: int = 2
-    engine_requests_per_client: int = 3
+    engine_rounds: int = 3
+    engine_requests_per_client: int = 6
     engine_min_new: int = 8
     engine_max_new: int = 128
     translate_sentences: int = 160
