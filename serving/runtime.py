@@ -254,7 +254,7 @@ class ModelRuntime:
         input_ids = np.ascontiguousarray(input_ids, np.int64)
         input_len = np.ascontiguousarray(input_len, np.int64)
         write_pos = np.ascontiguousarray(write_pos, np.int64)
-        n = self._check_step(start, input_ids, input_len, write_pos)
+        self._check_step(start, input_ids, input_len, write_pos)
         if self.decoder_graph == "decoder_cpu" and input_ids.shape[1] > 1 and write_pos.any():
             return np.concatenate([self._run_decoder(start + a, np.ascontiguousarray(input_ids[a:b, :width]),
                                                      input_len[a:b], write_pos[a:b])
