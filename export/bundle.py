@@ -50,16 +50,14 @@ def dims_for(cfg: ModelConfig, float_dtype: str = "float32") -> Dims:
                 max_len=cfg.max_len, vocab_size=cfg.vocab_size, float_dtype=float_dtype)
 
 
-def graph_contracts(cfg: ModelConfig, float_dtype: str = "float32",
-                    cpu_decoder: bool | None = None) -> dict[str, GraphContract]:
-    """The graphs of a bundle for this config: {"encoder"?, "decoder", "decoder_cpu"?} (see contract.py);
-    cpu_decoder=None: decoder_cpu wherever the dims allow it."""
+def graph_contracts(cfg: ModelConfig, float_dtype: str = "float32") -> dict[str, GraphContract]:
+    """The graphs of a bundle for this config: {"encoder"?, "decoder", "decoder_cpu"?} (see contract.py)."""
     d = dims_for(cfg, float_dtype)
     cross = cfg.arch == Arch.ENCODER_DECODER
     graphs = {"decoder": decoder_contract(d, cross)}
     if cross:
         graphs = {"encoder": encoder_contract(d), **graphs}
-    if has_cpu_decoder(d) if cpu_decoder is None else cpu_decoder:
+    if has_cpu_decoder(d):
         graphs["decoder_cpu"] = replace(graphs["decoder"], file=DECODER_CPU_FILE)
     return graphs
 

@@ -85,6 +85,11 @@ def clean(text: str) -> str:
     return " ".join(text.split())
 
 
+def _is_sentence(text: str) -> bool:
+    """A whole sentence of at least two words (capitalised start, final stop)."""
+    return bool(_SENTENCE.match(text)) and len(text.split()) >= 2
+
+
 def _bucket(key: str) -> int:
     return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:4], "big") % 1000
 
@@ -144,7 +149,7 @@ def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
         if len(lines) < 2:
             continue
         de = clean(_USAGE_LABEL.sub(" ", _PRONUNCIATION.sub("", lines[0])))
-        if not _SENTENCE.match(de) or len(de.split()) < 2:
+        if not _is_sentence(de):
             continue
         for en in _EN_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", lines[1]).strip()):
             en = clean(_ACRONYM_TAIL.sub("", en))
@@ -152,7 +157,7 @@ def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
                 en = en[0].upper() + en[1:]
             if en and en[-1] not in ".?!…":
                 en += de[-1]  # the German side ends a sentence; a few English ones lost their stop
-            if _SENTENCE.match(en) and len(en.split()) >= 2:
+            if _is_sentence(en):
                 yield en, de
 
 
@@ -185,13 +190,14 @@ def ding_sentence_pairs(path: Path) -> Iterator[tuple[str, str]]:
         if len(de_parts) != len(en_parts):
             continue
         for de_part, en_part in zip(de_parts, en_parts):
-            des = [clean(d) for d in _DING_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", de_part))]
-            des = [d for d in des if _SENTENCE.match(d) and len(d.split()) >= 2]
-            if not des:
-                continue
-            for en in (clean(e) for e in _DING_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", en_part))):
-                if _SENTENCE.match(en) and len(en.split()) >= 2:
-                    yield from ((en, de) for de in des)
+            des = _ding_sentences(de_part)
+            if des:
+                yield from ((en, de) for en in _ding_sentences(en_part) for de in des)
+
+
+def _ding_sentences(part: str) -> list[str]:
+    """The whole sentences among a Ding part's `;`-separated alternatives (usage labels removed first)."""
+    return [s for s in (clean(a) for a in _DING_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", part))) if _is_sentence(s)]
 
 
 class _NearDuplicates:
