@@ -21,6 +21,7 @@ Does not own: tokenization, HTTP, Ray, metrics export, the slot layout and batch
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +118,8 @@ class Engine:
         self._executor: ThreadPoolExecutor | None = None
         self._accepting, self._stopping, self._dead = True, False, False
         self._failures, self._group = 0, 0
+        # Events of the last step, handed to the streams once the next step's compute has started (see _flush).
+        self._outbox: list[tuple[RequestHandle, TokenEvent]] = []
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, config: EngineConfig) -> "Engine":
@@ -234,6 +237,8 @@ class Engine:
             log.exception("engine loop crashed")
             self._dead = True
             self._fail_all(f"engine loop crashed: {e!r}")
+        finally:
+            self._flush()
 
     async def _iteration(self) -> None:
         """One step: schedule -> run (worker thread) -> update."""
@@ -244,19 +249,37 @@ class Engine:
             self._finish(seq, reason, now, release=False)
         self._runner.queue_moves(plan.moves)
         if plan.empty:
+            self._flush()
             if not (self._stopping and not self._live):
                 await self._idle(plan.wake_in)
             return
         rows = self.scheduler.owner[: plan.decode_rows]
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, self._runner.execute,
-                                                                      plan, rows)
+            result = await loop.run_in_executor(self._executor, self._runner.execute, plan, rows,
+                                                functools.partial(loop.call_soon_threadsafe, self._flush))
+            self._flush()  # (already done when the step started computing; a no-op then)
             self._update(plan, result, time.perf_counter() - t0)
         except Exception as e:  # the runtime failed: fail this step's requests, maybe the engine
+            self._flush()
             self._step_failed(plan, e)
+            self._flush()
             return
         self._failures = 0
+
+    def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
+        self._outbox.append((handle, event))
+
+    def _flush(self) -> None:
+        """Hand the pending events to their streams (event-loop thread only). Called by the worker thread (via
+        call_soon_threadsafe) once the next step's ONNX Runtime call has started, so the consumers run while
+        the step computes, and not before it, where they held the GIL the worker needs to launch the step
+        (measured: 0.13-0.2 ms of each 3.7 ms step at 27 rows, ~10% of the throughput)."""
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            for handle, event in out:
+                handle._put(event)
 
     async def _idle(self, wake_in: float | None) -> None:
         try:
@@ -296,7 +319,7 @@ class Engine:
         else:
             st.gaps.append(now - st.last_token)
         st.last_token = now
-        st.handle._put(TokenEvent(seq.request_id, token))
+        self._emit(st.handle, TokenEvent(seq.request_id, token))
         if check_stop and len(st.tokens) >= st.req.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH, now)
 
@@ -307,7 +330,7 @@ class Engine:
             self.scheduler.finish(seq, now)
         self._live.pop(seq.request_id, None)
         st.handle.finished = True
-        st.handle._put(TokenEvent(seq.request_id, None, reason, hypotheses=hypotheses, error=error))
+        self._emit(st.handle, TokenEvent(seq.request_id, None, reason, hypotheses=hypotheses, error=error))
         first = seq.first_scheduled if seq.first_scheduled is not None else now
         self._notify(1, RequestStats(
             request_id=seq.request_id, prompt_tokens=len(st.req.prompt_ids), generated_tokens=len(st.tokens),

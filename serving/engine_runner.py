@@ -13,7 +13,7 @@ Everything it touches belongs to the step in flight: the engine's event-loop thr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence as Seq
+from typing import Any, Callable, Protocol, Sequence as Seq
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class Runtime(Protocol):
     def encode(self, start: int, sources: list[list[int]]) -> None: ...
     def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
              write_pos: np.ndarray) -> np.ndarray: ...
-    def copy_slots(self, src: Seq[int], dst: Seq[int]) -> None: ...
+    def copy_slots(self, src: Seq[int], dst: Seq[int], length: int | None = None) -> None: ...
 
 
 @dataclass(eq=False)
@@ -84,26 +84,42 @@ class StepRunner:
         # token is already in place.
         self.pending: list[tuple[list[tuple[int, int]], bool]] = []
         self._reorders: list[tuple[int, int]] = []  # this step's beam reorders
+        self._launched: Callable[[], None] | None = None  # this step's start signal, not yet given
 
     def queue_moves(self, batches: list[list[tuple[int, int]]]) -> None:
         self.pending.extend((b, True) for b in batches if b)
+
+    def _starting(self) -> None:
+        """Give the step's start signal once, just before its first ONNX Runtime call (which releases the GIL)."""
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            launched()
 
     def _apply_copies(self) -> None:
         for batch, with_inputs in self.pending:
             src = [s for s, _ in batch]
             dst = [d for _, d in batch]
-            self.rt.copy_slots(src, dst)
+            # live cache positions of the sources (+1: pos stops at max_len - 1 on a full row)
+            self.rt.copy_slots(src, dst, length=int(self.pos[src].max()) + 1)
             if with_inputs:
                 self.last[dst] = self.last[src]
                 self.pos[dst] = self.pos[src]
         self.pending = []
 
-    def execute(self, plan: StepPlan, rows: list[Sequence]) -> StepResult:
+    def execute(self, plan: StepPlan, rows: list[Sequence], launched: Callable[[], None] | None = None) -> StepResult:
         """Run one step: copies, decode rows [0, D) (`rows` = their owners), then the prefill rows.
 
         Prefill rows of one token each (every translation joiner: its decoder starts from bos) share the
-        decode call, rows [0, D + n); longer prefill runs as a second call on rows [D, D + n).
+        decode call, rows [0, D + n); longer prefill runs as a second call on rows [D, D + n). `launched` is
+        called once, just before the first ONNX Runtime call (the engine then delivers the last step's events).
         """
+        self._launched = launched
+        try:
+            return self._execute(plan, rows)
+        finally:
+            self._starting()  # a step that failed before computing still gives the signal
+
+    def _execute(self, plan: StepPlan, rows: list[Sequence]) -> StepResult:
         self._apply_copies()
         out = StepResult()
         self._reorders = []
@@ -111,6 +127,7 @@ class StepRunner:
         if plan.prefill:
             prefill = self._prefill_inputs(plan)  # (ids (n, T), lens, wpos); encodes the joiners' sources
             out.prefill_tokens = int(prefill[1].sum())
+        self._starting()
         if prefill is not None and prefill[0].shape[1] == 1 and d:
             ids = np.concatenate([self.last[:d, None], prefill[0]])
             wpos = np.concatenate([self.pos[:d], prefill[2]])
@@ -174,6 +191,7 @@ class StepRunner:
                 sources += [st.source] * c.seq.width
             r += c.seq.width
         if sources:
+            self._starting()
             self.rt.encode(plan.prefill_start, sources)
         return ids, lens, wpos
 

@@ -98,8 +98,10 @@ def test_multi_token_steps_on_rows_with_and_without_a_cache_match_pytorch(bundle
         np.testing.assert_allclose(rt.step(start, x, lens, wpos), ref.step(start, x, lens, wpos), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["whole-rows", "live-prefix"])
 @pytest.mark.parametrize("task", ["translate", "generate"])
-def test_copy_slots_overlapping_moves_whole_rows(bundles, task):
+def test_copy_slots_overlapping_moves_whole_rows(bundles, task, live):
+    """Whole rows (the copy graph) or, given the live length, only the live cache positions (numpy on CPU)."""
     b = load_bundle(bundles[task])
     ck = load_checkpoint(checkpoint_of(bundles[task]))
     rt = ModelRuntime(b, n_slots=5, provider="cpu")
@@ -115,10 +117,12 @@ def test_copy_slots_overlapping_moves_whole_rows(bundles, task):
         g = np.random.default_rng(1)
     before = [a.copy() for a in rt.read_cache(1)]
     # a beam reorder with overlap: 0 -> 1, 1 -> 2, 2 -> 0 and a duplicate 0 -> 4
-    rt.copy_slots([0, 1, 2, 0], [1, 2, 0, 4])
+    n_live = prefix.shape[1]
+    rt.copy_slots([0, 1, 2, 0], [1, 2, 0, 4], length=n_live if live else None)
     after = rt.read_cache(1)
+    upto = n_live if live else None
     for a, bf in zip(after, before):
-        np.testing.assert_array_equal(a[[1, 2, 0, 4]], bf[[0, 1, 2, 0]])
+        np.testing.assert_array_equal(a[[1, 2, 0, 4], :, :upto], bf[[0, 1, 2, 0], :, :upto])
         np.testing.assert_array_equal(a[3], bf[3])
     # stepping the copies gives the logits the source slots give in PyTorch (cross keys/values and source
     # lengths moved with the rows)
