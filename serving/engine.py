@@ -7,7 +7,8 @@ and the per-step / per-request stats handed to observers.
 
 The loop runs on the event loop; each step's ONNX Runtime work and token choice run in one worker thread
 (serving/engine_runner.py), so the loop yields between steps and HTTP keeps being served. All scheduler
-state changes happen on the event-loop thread.
+state changes happen on the event-loop thread. A step's events reach the streams when the next step's ONNX
+Runtime call starts (or at once when no step follows), so consumers run while the model computes.
 
 Conventions: a decoder-only prompt starts with bos (the API layer prepends it); an encoder-decoder prompt is
 the source without special tokens and the decoder starts from bos. The token that stops a request (eos or a
