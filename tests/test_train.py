@@ -126,3 +126,27 @@ def test_weight_average_tracks_the_parameters():
     torch.testing.assert_close(m.weight.detach(), before + 0.5)
     avg.swap()
     torch.testing.assert_close(m.weight.detach(), w)
+
+
+def test_subword_dropout_resegments_each_epoch_reproducibly(tmp_path, data_dir):
+    import numpy as np
+    from model.tokenizer import Tokenizer
+    from model.train import Batcher, encode_split, split_words
+
+    texts = ["Das Haus ist groß, der Baum auch.", "Noch ist nicht aller Tage Abend!", "", "ü 42 👍 a"]
+    pieces = split_words(texts[0], np.random.default_rng(0), 1.0)
+    assert "".join(pieces) == texts[0] and len(pieces) == 8  # each of the 7 words of 2+ characters cut once
+    tok = Tokenizer.train([t for t in texts for _ in range(20)], vocab_size=300)
+    for p in (0.0, 0.5, 1.0):
+        enc = encode_split(tok, texts, np.random.default_rng(1), p)
+        assert [tok.decode(e) for e in enc] == texts  # another segmentation of the same text
+    assert encode_split(tok, texts, np.random.default_rng(1), 0.0) == tok.encode_batch(texts)
+
+    c = cfg(tmp_path, data_dir, "translate", subword_dropout=0.3)
+    train(cfg(tmp_path / "t", data_dir, "translate", steps=1))  # a tokenizer for the data
+    tok = Tokenizer.load(tmp_path / "t" / "translate" / "tokenizer.json")
+    a, b = Batcher(c, tok, 64), Batcher(c, tok, 64)
+    e0, e1 = a._epoch(0)[0], a._epoch(1)[0]
+    assert b._epoch(0)[0] == e0  # same seed, same epoch: the same segmentation
+    assert e0 != e1 and e0 != a.pairs  # a new one each epoch, unlike the plain encoding
+    assert [tok.decode(s) for s, _ in e1] == [tok.decode(s) for s, _ in a.pairs]
