@@ -263,9 +263,8 @@ class Engine:
             self._flush()  # (already done when the step started computing; a no-op then)
             self._update(plan, result, time.perf_counter() - t0)
         except Exception as e:  # the runtime failed: fail this step's requests, maybe the engine
-            self._flush()
             self._step_failed(plan, e)
-            self._flush()
+            self._flush()  # the outbox keeps the order: earlier tokens, then the failures
             return
         self._failures = 0
 
