@@ -59,6 +59,7 @@ class TrainConfig:
     bf16: bool = False  # bfloat16 autocast for the forward pass (CPU: 2.3x faster steps where avx512_bf16/AMX exist)
     ema: float = 0.0  # > 0: also keep an exponential moving average of the weights; the better on valid is kept
     subword_dropout: float = 0.0  # translation: per epoch, cut each word in two with this probability (see split_words)
+    both_directions: bool = False  # translation: also train on every pair reversed (target -> source), see Batcher
 
 
 def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
@@ -149,6 +150,10 @@ class Batcher:
         self.max_len = max_len
         if cfg.task == "translate":
             self.texts = data_mod.load_pairs(cfg.data_dir, "train")
+            if cfg.both_directions:
+                # One model for both directions: the source language alone tells which one to produce, so no
+                # tag is needed; the reversed pairs give the shared embeddings and encoder more signal.
+                self.texts = self.texts + [(t, s) for s, t in self.texts]
             self.pairs = self._encode(tok.encode_batch)
         else:
             self.stream = torch.tensor(tok.encode(data_mod.load_text(cfg.data_dir, "train")), dtype=torch.long)

@@ -150,3 +150,18 @@ def test_subword_dropout_resegments_each_epoch_reproducibly(tmp_path, data_dir):
     assert b._epoch(0)[0] == e0  # same seed, same epoch: the same segmentation
     assert e0 != e1 and e0 != a.pairs  # a new one each epoch, unlike the plain encoding
     assert [tok.decode(s) for s, _ in e1] == [tok.decode(s) for s, _ in a.pairs]
+
+
+def test_both_directions_adds_every_pair_reversed(tmp_path, data_dir):
+    from model.tokenizer import Tokenizer
+    from model.train import Batcher
+
+    train(cfg(tmp_path / "t", data_dir, "translate", steps=1))  # a tokenizer for the data
+    tok = Tokenizer.load(tmp_path / "t" / "translate" / "tokenizer.json")
+    one = Batcher(cfg(tmp_path, data_dir, "translate"), tok, 64)
+    both = Batcher(cfg(tmp_path, data_dir, "translate", both_directions=True), tok, 64)
+    n = len(one.pairs)
+    assert both.pairs[:n] == one.pairs  # the pairs as they were, then each one reversed
+    assert both.pairs[n:] == [(t[:64], s[:63]) for s, t in one.pairs]
+    assert both.texts[n][0].startswith("Das ") and both.texts[n][1].startswith("The ")
+    assert sum(len(b) for b in both._epoch(0)[1]) == 2 * n  # an epoch covers both directions
