@@ -2,6 +2,7 @@
 
     python -m serving.bench_engine BUNDLE --out bench.json          # run, write JSON, print the table
     python -m serving.bench_engine --table bench.json                # print the markdown table again
+    python -m serving.bench_engine BUNDLE --step-scaling --rows 1 27 --contexts 16 96 192   # the ceiling
 
 Closed loop: C clients each send the next request of a fixed workload as soon as their previous one ends.
 The workload (prompts and output lengths spread evenly over --min-new..--max-new, eos ignored so every
@@ -12,6 +13,10 @@ concurrency: generated tokens per second while all C clients have a request in (
 the first client runs out of work) and over the whole run, p50/p99 time to first token (submit -> first
 token), mean rows per engine step. Request-level mode gathers up to C requests (or waits --batch-wait-s)
 and runs the batch to its end, as Ray Serve's @serve.batch in front of a batched generate does.
+
+--step-scaling measures what bounds those ratios: one decode step of the runtime alone (no engine) on R rows that
+all hold C cached tokens, medians of alternated calls, and the gain per row of R rows over one. Decode attention
+streams every row's cached keys and values, so the gain shrinks as contexts grow.
 
 Owns the benchmark only; the engine is serving/engine.py. Absolute figures depend on the machine: compare
 the ratios.
@@ -143,6 +148,44 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def step_scaling(runtime, rows: list[int], contexts: list[int], reps: int = 30, calls: int = 5) -> list[dict]:
+    """Median ms of one decode step on r rows at c cached tokens each; `gain_per_row` = r x (1-row time at c) /
+    (r-row time at c) when 1 is among `rows`."""
+    if max(rows) > runtime.n_slots or max(contexts) + 1 > runtime.max_len or min(rows + contexts) < 1:
+        raise ValueError(f"rows must be in [1, {runtime.n_slots}] and contexts in [1, {runtime.max_len - 1}]")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, runtime.vocab_size, (max(rows), 1)).astype(np.int64)
+    if runtime.is_encoder_decoder:
+        runtime.encode(0, [[int(t) for t in rng.integers(4, runtime.vocab_size, 12)] for _ in range(max(rows))])
+    cases = [(r, c) for c in contexts for r in rows]
+    times: dict[tuple[int, int], list[float]] = {k: [] for k in cases}
+    # One block per row count, as the engine runs steps of one shape back to back (a one-row step right after
+    # 27-row steps measured 0.41-0.50 ms instead of 0.33-0.40: caches and clocks take a while to settle);
+    # the contexts alternate within each block.
+    for r in rows:
+        for rep in range(reps + 1):  # the first rep warms up
+            for c in contexts:
+                args = (ids[:r], np.ones(r, np.int64), np.full(r, c, np.int64))
+                runtime.step(0, *args)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    runtime.step(0, *args)
+                if rep:
+                    times[(r, c)].append((time.perf_counter() - t0) / calls)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return [{"rows": r, "context": c, "step_ms": round(med[(r, c)], 3),
+             "gain_per_row": round(r * med[(1, c)] / med[(r, c)], 2) if (1, c) in med else None} for r, c in cases]
+
+
+def step_scaling_markdown(rows: list[dict]) -> str:
+    lines = ["| cached tokens per row | rows | decode step (ms) | gain per row over one row |",
+             "| ---: | ---: | ---: | ---: |"]
+    for x in rows:
+        gain = "-" if x["gain_per_row"] is None else f"{x['gain_per_row']:.2f}x"
+        lines.append(f"| {x['context']} | {x['rows']} | {x['step_ms']:.3f} | {gain} |")
+    return "\n".join(lines)
+
+
 async def bench(args: argparse.Namespace) -> dict:
     slots = max(args.slots or 0, max(args.concurrency))
     cfg = EngineConfig(max_slots=slots, max_waiting=4 * slots, max_tokens_per_step=args.max_tokens_per_step,
@@ -200,12 +243,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default: the runtime's)")
     p.add_argument("--decoder-graph", choices=["decoder", "decoder_cpu"], default=None,
                    help="the bundle's decoder graph to run (default: the runtime's choice for the provider)")
+    p.add_argument("--step-scaling", action="store_true",
+                   help="instead of the engine benchmark: decode-step time of the runtime alone by rows and context")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 27], help="--step-scaling: batch sizes")
+    p.add_argument("--contexts", type=int, nargs="+", default=[16, 48, 96, 144, 192],
+                   help="--step-scaling: cached tokens per row")
     args = p.parse_args(argv)
     if args.table:
         print(markdown(json.loads(args.table.read_text())))
         return 0
     if args.bundle is None:
         p.error("BUNDLE is required (or --table FILE)")
+    if args.step_scaling:
+        from export.bundle import load_bundle
+        from serving.runtime import ModelRuntime
+
+        runtime = ModelRuntime(load_bundle(args.bundle), n_slots=max(args.rows), provider=args.provider,
+                               intra_op_threads=args.threads, decoder_graph=args.decoder_graph)
+        try:
+            rows = step_scaling(runtime, sorted(set(args.rows)), args.contexts)
+        except ValueError as e:
+            p.error(str(e))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"bundle": str(args.bundle), "threads": args.threads,
+                                            "provider": runtime.provider, "step_scaling": rows}, indent=2) + "\n")
+        print(step_scaling_markdown(rows))
+        return 0
     doc = asyncio.run(bench(args))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

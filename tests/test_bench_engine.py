@@ -25,3 +25,24 @@ def test_benchmark_runs_every_mode_on_the_same_workload_and_prints_a_table(tmp_p
     assert table.count("\n| 4 |") == 3 and "continuous speedup" in table
     assert main(["--table", str(out)]) == 0
     assert capsys.readouterr().out.strip() == table.strip()
+
+
+def test_step_scaling_times_every_rows_and_context_pair(tmp_path, capsys):
+    bundle, _ = cached_bundle("generate")
+    out = tmp_path / "scaling.json"
+    assert main([str(bundle), "--step-scaling", "--rows", "1", "3", "--contexts", "4", "20",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["step_scaling"]
+    assert [(r["rows"], r["context"]) for r in rows] == [(1, 4), (3, 4), (1, 20), (3, 20)]
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert [r["gain_per_row"] for r in rows if r["rows"] == 1] == [1.0, 1.0]
+    assert capsys.readouterr().out.count("\n| 20 |") == 2
+
+
+def test_step_scaling_rejects_contexts_beyond_the_cache(capsys):
+    import pytest
+
+    bundle, _ = cached_bundle("generate")
+    with pytest.raises(SystemExit):
+        main([str(bundle), "--step-scaling", "--rows", "1", "--contexts", "100000"])
+    assert "contexts in [1," in capsys.readouterr().err
