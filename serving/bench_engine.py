@@ -15,7 +15,8 @@ token), mean rows per engine step. Request-level mode gathers up to C requests (
 and runs the batch to its end, as Ray Serve's @serve.batch in front of a batched generate does.
 
 --step-scaling measures what bounds those ratios: one decode step of the runtime alone (no engine) on R rows that
-all hold C cached tokens, medians of alternated calls, and the gain per row of R rows over one. Decode attention
+all hold C cached tokens (medians over repetitions; one block per row count, the contexts alternated within it),
+and the gain per row of R rows over one. Decode attention
 streams every row's cached keys and values, so the gain shrinks as contexts grow.
 
 Owns the benchmark only; the engine is serving/engine.py. Absolute figures depend on the machine: compare
@@ -32,11 +33,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from serving.engine import Engine, EngineConfig
 from serving.types import BatchingMode, GenerationRequest, RequestStats, SamplingParams, StepStats
+
+if TYPE_CHECKING:
+    from serving.runtime import ModelRuntime
 
 MODES = (BatchingMode.CONTINUOUS, BatchingMode.REQUEST, BatchingMode.NONE)
 
@@ -148,7 +153,7 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def step_scaling(runtime, rows: list[int], contexts: list[int], reps: int = 30, calls: int = 5) -> list[dict]:
+def step_scaling(runtime: ModelRuntime, rows: list[int], contexts: list[int], reps: int = 30, calls: int = 5) -> list[dict]:
     """Median ms of one decode step on r rows at c cached tokens each; `gain_per_row` = r x (1-row time at c) /
     (r-row time at c) when 1 is among `rows`."""
     if max(rows) > runtime.n_slots or max(contexts) + 1 > runtime.max_len or min(rows + contexts) < 1:

@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from engine_bundle import cached_bundle
 from serving.bench_engine import main
@@ -40,8 +41,6 @@ def test_step_scaling_times_every_rows_and_context_pair(tmp_path, capsys):
 
 
 def test_step_scaling_rejects_contexts_beyond_the_cache(capsys):
-    import pytest
-
     bundle, _ = cached_bundle("generate")
     with pytest.raises(SystemExit):
         main([str(bundle), "--step-scaling", "--rows", "1", "--contexts", "100000"])
