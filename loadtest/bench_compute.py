@@ -10,7 +10,8 @@ FLOPs per generated token, and how much of that peak the engine's ONNX Runtime d
   attention over the `context` cached positions (QK^T and AV: 4 x d_model per position and layer).
   `workload_flops` adds prefill (prompt tokens through the same weights, causal attention, one logits row).
 - `step_sweep(bundle, batches, context, threads)` times the runtime's decode step alone at each batch size
-  (the engine's ceiling: no scheduling, sampling or HTTP), as FLOP/s.
+  (the engine's ceiling: no scheduling, sampling or HTTP; timed by serving.bench_engine.step_scaling), as
+  FLOP/s.
 
 Owns only these measurements and counts; the doc is loadtest/bench_doc.py's, orchestration loadtest/bench.py's.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import subprocess
 import time
 from importlib import metadata
@@ -97,10 +97,6 @@ def _times(fn: Any, reps: int) -> list[float]:
     return times
 
 
-def _median_time(fn: Any, reps: int) -> float:
-    return statistics.median(_times(fn, reps))
-
-
 def _best_time(fn: Any, reps: int) -> float:
     """A peak is what the machine can do: the fastest of the repetitions (noise only ever slows it)."""
     return min(_times(fn, reps))
@@ -164,25 +160,22 @@ def workload_flops(cfg: dict[str, Any], requests: list[tuple[int, int]]) -> floa
 
 
 def step_sweep(bundle: Path, batches: list[int], context: int, threads: int, reps: int = 30) -> list[dict[str, Any]]:
-    """The runtime's decode step alone (one token per row, `context` cached), per batch: time and FLOP/s."""
+    """The runtime's decode step alone (one token per row, `context` cached), per batch: time and FLOP/s
+    (timed by serving.bench_engine.step_scaling; a translation model's rows attend over `context` source tokens)."""
     from export.bundle import load_bundle
+    from serving.bench_engine import step_scaling
     from serving.runtime import ModelRuntime
 
     b = load_bundle(bundle)
     cfg = b.model_config
     rt = ModelRuntime(b, n_slots=max(batches), provider="cpu", intra_op_threads=threads)
-    rng = np.random.default_rng(0)
     src_len = context if rt.is_encoder_decoder else 0
     rows = []
-    for batch in batches:
-        ids = rng.integers(4, cfg["vocab_size"], (batch, context + 1)).astype(np.int64)
-        if rt.is_encoder_decoder:
-            rt.encode(0, [ids[r, :context].tolist() for r in range(batch)])
-        rt.step(0, ids[:, :context], np.full(batch, context), np.zeros(batch, np.int64))
-        tok, one, pos = ids[:, context:], np.ones(batch, np.int64), np.full(batch, context, np.int64)
-        sec = _median_time(lambda: rt.step(0, tok, one, pos), reps)
-        flops = batch * flops_per_token(cfg, context, src_len)
-        rows.append({"batch": batch, "step_ms": sec * 1e3, "tokens_per_s": batch / sec, "flops_per_s": flops / sec})
+    for r in step_scaling(rt, sorted(set(batches)), [context], reps=reps, src_tokens=max(1, src_len)):
+        sec = r["step_ms"] / 1e3
+        flops = r["rows"] * flops_per_token(cfg, context, src_len)
+        rows.append({"batch": r["rows"], "step_ms": r["step_ms"], "tokens_per_s": r["rows"] / sec,
+                     "flops_per_s": flops / sec})
     return rows
 
 

@@ -153,15 +153,16 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def step_scaling(runtime: ModelRuntime, rows: list[int], contexts: list[int], reps: int = 30, calls: int = 5) -> list[dict]:
-    """Median ms of one decode step on r rows at c cached tokens each; `gain_per_row` = r x (1-row time at c) /
-    (r-row time at c) when 1 is among `rows`."""
+def step_scaling(runtime: ModelRuntime, rows: list[int], contexts: list[int], reps: int = 30, calls: int = 5,
+                 src_tokens: int = 12) -> list[dict]:
+    """Median ms of one decode step on r rows at c cached tokens each (a translation model's rows attend over
+    `src_tokens` source tokens); `gain_per_row` = r x (1-row time at c) / (r-row time at c) when 1 is among `rows`."""
     if max(rows) > runtime.n_slots or max(contexts) + 1 > runtime.max_len or min(rows + contexts) < 1:
         raise ValueError(f"rows must be in [1, {runtime.n_slots}] and contexts in [1, {runtime.max_len - 1}]")
     rng = np.random.default_rng(0)
     ids = rng.integers(4, runtime.vocab_size, (max(rows), 1)).astype(np.int64)
     if runtime.is_encoder_decoder:
-        runtime.encode(0, [[int(t) for t in rng.integers(4, runtime.vocab_size, 12)] for _ in range(max(rows))])
+        runtime.encode(0, [[int(t) for t in rng.integers(4, runtime.vocab_size, src_tokens)] for _ in range(max(rows))])
     cases = [(r, c) for c in contexts for r in rows]
     times: dict[tuple[int, int], list[float]] = {k: [] for k in cases}
     # One block per row count, as the engine runs steps of one shape back to back (a one-row step right after
