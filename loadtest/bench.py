@@ -56,6 +56,8 @@ class BenchPlan:
     gemm_reps: int = 5
     sweep_batches: tuple[int, ...] = (1, 8, 32, 64)
     sweep_context: int = 64
+    scaling_rows: tuple[int, ...] = (1, 32)  # the decode step by cached length: what bounds batching's gain
+    scaling_contexts: tuple[int, ...] = (16, 64, 128, 192)
 
 
 QUICK = BenchPlan(
@@ -64,7 +66,7 @@ QUICK = BenchPlan(
     step_iters=5, step_context=8, step_batches=(1, 4), engine_concurrency=(1, 4), engine_rounds=1,
     engine_requests_per_client=1, engine_min_new=2, engine_max_new=8, translate_sentences=8,
     translate_concurrency=(1, 4), translate_rounds=1, translate_max_new=16, gemm_n=256, gemm_reps=2,
-    sweep_batches=(1, 4), sweep_context=8)
+    sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16))
 
 
 @dataclass(frozen=True)
@@ -118,14 +120,18 @@ def _run(cmd: list[str], shown: list[str], commands: list[str]) -> str:
 
 
 def section_compute(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
-    from loadtest.bench_compute import peak_gemm, step_sweep
+    from loadtest.bench_compute import peak_gemm, step_scaling_of, step_sweep
 
     gen = art.require_bundle("generate")
     peak = peak_gemm(plan.gemm_n, plan.gemm_reps)  # 1 thread and every core, whatever plan.threads is
     sweep = step_sweep(gen, list(plan.sweep_batches), plan.sweep_context, plan.threads)
+    scaling = step_scaling_of(gen, list(plan.scaling_rows), list(plan.scaling_contexts), plan.threads)
+    commands.append(shlex.join(["python", "-m", "serving.bench_engine", _rel(gen), "--step-scaling", "--rows",
+                                *map(str, plan.scaling_rows), "--contexts", *map(str, plan.scaling_contexts),
+                                "--provider", "cpu", "--threads", str(plan.threads)]))
     model = json.loads((gen / "manifest.json").read_text())["model_config"]
-    return {"peak": peak, "sweep": sweep, "sweep_context": plan.sweep_context, "bundle": _rel(gen),
-            "model_config": model, "threads": plan.threads}
+    return {"peak": peak, "sweep": sweep, "sweep_context": plan.sweep_context, "scaling": scaling,
+            "bundle": _rel(gen), "model_config": model, "threads": plan.threads}
 
 
 def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ FLOPs per generated token, and how much of that peak the engine's ONNX Runtime d
   `workload_flops` adds prefill (prompt tokens through the same weights, causal attention, one logits row).
 - `step_sweep(bundle, batches, context, threads)` times the runtime's decode step alone at each batch size
   (the engine's ceiling: no scheduling, sampling or HTTP; timed by serving.bench_engine.step_scaling), as
-  FLOP/s.
+  FLOP/s; `step_scaling_of` the same step by rows and cached length (how batching's gain falls as contexts grow).
 
 Owns only these measurements and counts; the doc is loadtest/bench_doc.py's, orchestration loadtest/bench.py's.
 """
@@ -177,6 +177,17 @@ def step_sweep(bundle: Path, batches: list[int], context: int, threads: int, rep
         rows.append({"batch": r["rows"], "step_ms": r["step_ms"], "tokens_per_s": r["rows"] / sec,
                      "flops_per_s": flops / sec})
     return rows
+
+
+def step_scaling_of(bundle: Path, rows: list[int], contexts: list[int], threads: int) -> list[dict[str, Any]]:
+    """serving.bench_engine.step_scaling on a bundle: the decode step by rows and cached length, and the gain
+    per row of a batch over one row at each length."""
+    from export.bundle import load_bundle
+    from serving.bench_engine import step_scaling
+    from serving.runtime import ModelRuntime
+
+    rt = ModelRuntime(load_bundle(bundle), n_slots=max(rows), provider="cpu", intra_op_threads=threads)
+    return step_scaling(rt, sorted(set(rows)), contexts)
 
 
 BENCH_ENGINE_MEAN_PROMPT = 15  # serving/bench_engine.py prompts: bos + 4..24 random tokens

@@ -269,6 +269,14 @@ def render_compute(b: dict[str, Any], inproc: dict[str, Any] | None) -> list[str
                    f"{100 * r['flops_per_s'] / peak['peak_flops_per_s']:.1f}% | "
                    f"{100 * r['flops_per_s'] / peak['peak_1_thread_flops_per_s']:.1f}% |")
     out.append("")
+    if b.get("scaling"):
+        from serving.bench_engine import step_scaling_markdown
+
+        out += ["The same step by cached length, every row at that length (a block of steps per row count, as the "
+                "engine runs them): the gain per row of a batch over one row falls as contexts grow, because "
+                "attention streams every row's cached keys and values from memory, while a lone request's stay "
+                "in the CPU's caches. This, not the engine, bounds continuous batching's gain over no batching.", "",
+                step_scaling_markdown(b["scaling"]), ""]
     if any(r["flops_per_s"] > peak["peak_flops_per_s"] for r in b["sweep"]):
         out += ["**Noise warning:** a decode step measured above the matmul peak: the machine was busy while the "
                 "peak was measured; re-run this section on a quiet machine (`kvserve bench --sections compute`).", ""]

@@ -57,6 +57,8 @@ def _sections() -> dict:
                "peak": {"n": 2048, "reps": 5, "flops_per_s": {"numpy": 200e9, "ort 1": 110e9},
                         "peak_flops_per_s": 200e9, "peak_1_thread_flops_per_s": 110e9},
                "sweep": [{"batch": 32, "step_ms": 5.0, "tokens_per_s": 6400.0, "flops_per_s": 50e9}],
+               "scaling": [{"rows": 1, "context": 16, "step_ms": 0.3, "gain_per_row": 1.0},
+                           {"rows": 32, "context": 16, "step_ms": 2.4, "gain_per_row": 4.0}],
                "commands": [], "date_utc": "d", "elapsed_s": 10}
     return {"compute": compute, "inprocess": inproc, "translate": translate, "http": http}
 
@@ -105,6 +107,7 @@ def test_doc_has_every_table_ratio_and_the_ct2_ratio_whichever_way_it_falls():
         np.linspace(8, 128, 96).round().sum()
     assert f"{100 * 2000 * per_tok / 200e9:.1f}% of the machine's measured peak" in doc
     assert "| 32 | 5.00 ms | 6400 | 50.0 GFLOP/s | 25.0% | 45.5% |" in doc
+    assert "| 16 | 32 | 2.400 | 4.00x |" in doc and "bounds continuous batching's gain" in doc
 
 
 def test_doc_reports_failed_sections_and_a_broken_claim():
