@@ -37,7 +37,7 @@ class BundleError(ValueError):
 
 class Variant(str, Enum):
     FP32 = "fp32"  # the reference
-    INT8 = "int8"  # dynamic int8 MatMul weights, for the CPU EP
+    INT8 = "int8"  # int8 MatMul weights (MatMulNBits, per-row activation scales: batch-invariant), for the CPU EP
     FP16 = "fp16"  # for the CUDA EP
 
     @property
