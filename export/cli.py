@@ -1,6 +1,6 @@
 """`kvserve export`: checkpoint -> verified model bundle (or CTranslate2 model).
 
-    kvserve export CHECKPOINT --out BUNDLE [--variant fp32|int8|fp16] [--format onnx|ctranslate2] [--force]
+    kvserve export CHECKPOINT --out BUNDLE [--variant fp32|int8|int8-dynamic|fp16] [--format onnx|ctranslate2] [--force]
 
 load -> export -> validate (onnx.checker, contract, parity against PyTorch) -> save. Refuses to overwrite
 an existing output without --force; the bundle is built in a sibling temporary directory and moved into
@@ -101,12 +101,12 @@ def build_bundle(checkpoint: Path, out: Path, variant: Variant = Variant.FP32, f
 
 
 def _apply_variant(work: Path, contracts: dict, variant: Variant, check_onnx_graph) -> None:
-    from export.variants import check_fp16, quantize_int8
+    from export.variants import check_fp16, quantize_int8, quantize_int8_dynamic
 
     for c in contracts.values():
         path = work / c.file
-        if variant is Variant.INT8:
-            quantize_int8(path)
+        if variant in (Variant.INT8, Variant.INT8_DYNAMIC):
+            (quantize_int8 if variant is Variant.INT8 else quantize_int8_dynamic)(path)
             check_onnx_graph(path, c)
         elif variant is Variant.FP16:
             check_fp16(path)
@@ -191,7 +191,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="checkpoint directory (kvserve train --out)")
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--variant", choices=[v.value for v in Variant], default="fp32",
-                   help="fp32 (reference), int8 (dynamic int8 MatMul weights, CPU) or fp16 (CUDA)")
+                   help="fp32 (reference); int8 (CPU: 8-bit MatMul weights, per-row activation scales, so a "
+                        "request's output does not depend on its batch); int8-dynamic (CPU: ORT dynamic quantization, "
+                        "faster, but rows depend on their batch-mates); fp16 (CUDA)")
     p.add_argument("--format", choices=("onnx", "ctranslate2"), default="onnx")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset (>= 24: TensorScatter)")

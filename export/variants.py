@@ -5,7 +5,8 @@ quantizer: weights int8 in blocks of 32 along K, symmetric; accuracy level 4 = t
 activation row per block at run time and multiplies in int8). Per-row activation scales keep a row's result
 independent of the other rows of its batch, which the continuous engine relies on (a request's tokens must
 not depend on what else runs); ORT's dynamic quantization (`quantize_dynamic`, the earlier int8 variant) scales
-activations per tensor and broke that (max |logit difference| 0.054 for a prompt alone vs in an 8-row batch).
+activations per tensor and breaks that (max |logit difference| 0.054 for a prompt alone vs in an 8-row batch);
+it stays available as the `int8-dynamic` variant, faster on this CPU where batch-invariance is not needed.
 Also owns the structural check of fp16 graphs
 (every float initializer, input and output is float16). fp16 graphs themselves are exported straight from
 the half-precision PyTorch model (export/onnx_export.py, float_dtype="float16"), so the attention mask uses
@@ -46,6 +47,24 @@ def quantize_int8(path: Path, block_size: int = INT8_BLOCK) -> None:
         logger.setLevel(level)
     tmp = path.with_name(path.name + ".int8.tmp")
     onnx.save(quantizer.model.model, str(tmp))
+    os.replace(tmp, path)
+
+
+def quantize_int8_dynamic(path: Path, per_channel: bool = True) -> None:
+    """Replace the graph at `path` by its dynamic-int8 version (MatMul weights int8 per output channel, activations
+    uint8 quantized per tensor at run time: ORT fuses DynamicQuantizeLinear + MatMulInteger into
+    DynamicQuantizeMatMul). A row's result depends on the other rows of its batch."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    tmp = path.with_name(path.name + ".int8.tmp")
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer advises "pre-processing" through the root logger
+    try:
+        quantize_dynamic(str(path), str(tmp), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                         per_channel=per_channel)
+    finally:
+        root.setLevel(level)
     os.replace(tmp, path)
 
 

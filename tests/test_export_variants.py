@@ -17,14 +17,15 @@ def base(tmp_path_factory):
     return tmp_path_factory.mktemp("variants")
 
 
-def test_int8_bundle_quantizes_matmuls_and_decodes_close_to_fp32(base):
-    path = tiny_bundle(base, "translate", "int8")
+@pytest.mark.parametrize("variant,op", [("int8", "MatMulNBits"), ("int8-dynamic", "MatMulInteger")])
+def test_int8_bundle_quantizes_matmuls_and_decodes_close_to_fp32(base, variant, op):
+    path = tiny_bundle(base, "translate", variant)
     b = load_bundle(path)
-    assert b.variant.value == "int8" and b.manifest["parity"]["synthetic_cpu"]["rows"] > 0
+    assert b.variant.value == variant and b.manifest["parity"]["synthetic_cpu"]["rows"] > 0
     for name, graph in b.paths.items():
         onnx.checker.check_model(str(graph), full_check=True)
         ops = count_ops(graph)
-        assert ops["MatMulNBits"] >= 4, (name, ops)
+        assert ops[op] >= 4, (name, ops)
         assert ops["MatMul"] == 0, f"{name}: unquantized MatMul left: {ops}"
     ck = load_checkpoint(checkpoint_of(path))
     rt = ModelRuntime(b, n_slots=4, provider="cpu")
