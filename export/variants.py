@@ -26,7 +26,7 @@ import onnx
 from onnx import TensorProto
 
 
-INT8_BLOCK = 32  # K elements per weight scale (and per activation scale at run time); d_model is a multiple
+INT8_BLOCK = 32  # K elements per weight scale (and per activation scale at run time)
 
 
 def quantize_int8(path: Path, block_size: int = INT8_BLOCK) -> None:
