@@ -103,10 +103,11 @@ def build_bundle(checkpoint: Path, out: Path, variant: Variant = Variant.FP32, f
 def _apply_variant(work: Path, contracts: dict, variant: Variant, check_onnx_graph) -> None:
     from export.variants import check_fp16, quantize_int8, quantize_int8_dynamic
 
+    quantize = {Variant.INT8: quantize_int8, Variant.INT8_DYNAMIC: quantize_int8_dynamic}.get(variant)
     for c in contracts.values():
         path = work / c.file
-        if variant in (Variant.INT8, Variant.INT8_DYNAMIC):
-            (quantize_int8 if variant is Variant.INT8 else quantize_int8_dynamic)(path)
+        if quantize is not None:
+            quantize(path)
             check_onnx_graph(path, c)
         elif variant is Variant.FP16:
             check_fp16(path)

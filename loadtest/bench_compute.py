@@ -159,16 +159,20 @@ def workload_flops(cfg: dict[str, Any], requests: list[tuple[int, int]]) -> floa
     return total
 
 
+def _cpu_runtime(bundle: Path, n_slots: int, threads: int) -> Any:
+    from export.bundle import load_bundle
+    from serving.runtime import ModelRuntime
+
+    return ModelRuntime(load_bundle(bundle), n_slots=n_slots, provider="cpu", intra_op_threads=threads)
+
+
 def step_sweep(bundle: Path, batches: list[int], context: int, threads: int, reps: int = 30) -> list[dict[str, Any]]:
     """The runtime's decode step alone (one token per row, `context` cached), per batch: time and FLOP/s
     (timed by serving.bench_engine.step_scaling; a translation model's rows attend over `context` source tokens)."""
-    from export.bundle import load_bundle
     from serving.bench_engine import step_scaling
-    from serving.runtime import ModelRuntime
 
-    b = load_bundle(bundle)
-    cfg = b.model_config
-    rt = ModelRuntime(b, n_slots=max(batches), provider="cpu", intra_op_threads=threads)
+    rt = _cpu_runtime(bundle, max(batches), threads)
+    cfg = rt.bundle.model_config
     src_len = context if rt.is_encoder_decoder else 0
     rows = []
     for r in step_scaling(rt, sorted(set(batches)), [context], reps=reps, src_tokens=max(1, src_len)):
@@ -182,12 +186,9 @@ def step_sweep(bundle: Path, batches: list[int], context: int, threads: int, rep
 def step_scaling_of(bundle: Path, rows: list[int], contexts: list[int], threads: int) -> list[dict[str, Any]]:
     """serving.bench_engine.step_scaling on a bundle: the decode step by rows and cached length, and the gain
     per row of a batch over one row at each length."""
-    from export.bundle import load_bundle
     from serving.bench_engine import step_scaling
-    from serving.runtime import ModelRuntime
 
-    rt = ModelRuntime(load_bundle(bundle), n_slots=max(rows), provider="cpu", intra_op_threads=threads)
-    return step_scaling(rt, sorted(set(rows)), contexts)
+    return step_scaling(_cpu_runtime(bundle, max(rows), threads), sorted(set(rows)), contexts)
 
 
 BENCH_ENGINE_MEAN_PROMPT = 15  # serving/bench_engine.py prompts: bos + 4..24 random tokens

@@ -258,9 +258,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
+            # execute() always gives its start signal before it returns or raises, so the _flush it queues
+            # runs before this await resumes (the loop runs callbacks in order): the outbox is empty here.
             result = await loop.run_in_executor(self._executor, self._runner.execute, plan, rows,
                                                 functools.partial(loop.call_soon_threadsafe, self._flush))
-            self._flush()  # (already done when the step started computing; a no-op then)
             self._update(plan, result, time.perf_counter() - t0)
         except Exception as e:  # the runtime failed: fail this step's requests, maybe the engine
             self._step_failed(plan, e)
