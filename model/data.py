@@ -171,7 +171,7 @@ def _extract(deb: Path, dest: Path, pattern: str) -> None:
                             stderr=subprocess.PIPE)
     with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
         for m in tar:
-            name = m.name.lstrip("./")
+            name = m.name.removeprefix("./")
             if m.isfile() and fnmatch(name, pattern) and ".." not in Path(name).parts:
                 (dest / name).parent.mkdir(parents=True, exist_ok=True)
                 (dest / name).write_bytes(tar.extractfile(m).read())
@@ -333,7 +333,7 @@ def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | No
         held_en, held_de = (_NearDuplicates(p[i] for s in ("valid", "test") for p in splits[s]) for i in (0, 1))
         extras = {f"debian:{DING_PACKAGE} (train only)": lambda: ding_sentence_pairs(fetch_ding(cache))}
         if catalogs:
-            extras["debian: German catalogs of CATALOG_PACKAGES (train only)"] = (
+            extras["debian:German game catalogs (train only)"] = (
                 lambda: catalog_sentence_pairs(fetch_catalogs(cache)))
         for name, pairs in extras.items():
             added = 0

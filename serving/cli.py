@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="translation: only the freedict pairs (no trans-de-en pairs, no game texts)")
     d.add_argument("--no-catalogs", action="store_true",
                    help="translation: leave out the sentences of the translated game texts (saves downloading "
-                        "~0.9 GB of Debian packages, of which ~5 MB of catalogs are kept)")
+                        "~0.94 GB of Debian packages, of which 12 MB of catalogs are kept)")
     d.set_defaults(func=_cmd_data)
 
     t = sub.add_parser("train", help="train a model (needs torch: pip install 'kvserve[train]')",

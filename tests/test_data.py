@@ -169,7 +169,7 @@ def test_extra_ding_pairs_go_to_train_only_and_never_resemble_held_out_pairs(tmp
     assert added == {("We are going swimming today.", "Wir gehen heute schwimmen."),
                      ("The orcs are coming!", "Die Orks kommen!")}
     assert meta["sources"]["debian:trans-de-en (train only)"] == 1
-    assert meta["sources"]["debian: German catalogs of CATALOG_PACKAGES (train only)"] == 1
+    assert meta["sources"]["debian:German game catalogs (train only)"] == 1
     assert meta["counts"]["train"] == base["counts"]["train"] + 2
     no_games = data.prepare_translation(tmp_path / "no-games", cache=tmp_path, catalogs=False)
     assert no_games["counts"]["train"] == base["counts"]["train"] + 1
@@ -217,6 +217,6 @@ def test_real_sources_are_fetched(tmp_path):
     meta = data.prepare_translation(tmp_path)
     assert meta["counts"]["train"] > 20000 and meta["counts"]["test"] > 500
     assert meta["sources"]["debian:trans-de-en (train only)"] > 8000
-    assert meta["sources"]["debian: German catalogs of CATALOG_PACKAGES (train only)"] > 15000
+    assert meta["sources"]["debian:German game catalogs (train only)"] > 15000
     gen = data.prepare_generation(tmp_path)
     assert gen["chars"]["train"] > 4_000_000 and "hamlet" in sum(gen["works"].values(), [])
