@@ -213,11 +213,10 @@ def read_catalog(path: Path) -> dict[str, str]:
     charset = declared.group(1) if declared and declared.group(1).upper() != "CHARSET" else "utf-8"
     out = {}
     for en, de in pairs:
-        if not en or b"\x00" in en or not de:
-            continue  # the header, plural forms, untranslated messages
         en = en.rsplit(b"\x04", 1)[-1]  # without its context
-        out[en.decode(charset, errors="replace")] = de.decode(charset, errors="replace")
-    return {en: de for en, de in out.items() if en != de}
+        if en and b"\x00" not in en and de and en != de:  # not the header, a plural form or left untranslated
+            out[en.decode(charset, errors="replace")] = de.decode(charset, errors="replace")
+    return out
 
 
 def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
