@@ -48,6 +48,7 @@ class BenchPlan:
     engine_requests_per_client: int = 6
     engine_min_new: int = 8
     engine_max_new: int = 128
+    engine_all_cores: bool = True  # the engine benchmark once more with every core as ORT threads
     translate_sentences: int = 160
     translate_concurrency: tuple[int, ...] = (1, 8, 32)
     translate_rounds: int = 3
@@ -146,15 +147,21 @@ def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
         text = _run([sys.executable, "-m", "export.bench_step", *args], ["python", "-m", "export.bench_step", *args],
                     commands)
         out["step"][task] = json.loads(text)
-    engine_json = art.work / "engine.json"
-    args = [_rel(art.require_bundle("generate")), "--out", _rel(engine_json), "--concurrency",
-            *map(str, plan.engine_concurrency), "--rounds", str(plan.engine_rounds), "--requests-per-client",
-            str(plan.engine_requests_per_client), "--min-new", str(plan.engine_min_new), "--max-new",
-            str(plan.engine_max_new), "--provider", "cpu", "--threads", str(plan.threads)]
-    _run([sys.executable, "-m", "serving.bench_engine", *args], ["python", "-m", "serving.bench_engine", *args],
-         commands)
-    out["engine"] = json.loads(engine_json.read_text())
-    out["cpus"], out["threads"] = os.cpu_count(), plan.threads
+    # The engine at the replica's thread count, and again with every core (all modes alike): how the modes
+    # compare depends on the cores a replica gets, since a big batch uses a second core better than one row.
+    cpus = os.cpu_count() or 1
+    for key, threads in (("engine", plan.threads), ("engine_all_cores", cpus)):
+        if key == "engine_all_cores" and (not plan.engine_all_cores or threads == plan.threads):
+            continue
+        engine_json = art.work / f"{key}.json"
+        args = [_rel(art.require_bundle("generate")), "--out", _rel(engine_json), "--concurrency",
+                *map(str, plan.engine_concurrency), "--rounds", str(plan.engine_rounds), "--requests-per-client",
+                str(plan.engine_requests_per_client), "--min-new", str(plan.engine_min_new), "--max-new",
+                str(plan.engine_max_new), "--provider", "cpu", "--threads", str(threads)]
+        _run([sys.executable, "-m", "serving.bench_engine", *args], ["python", "-m", "serving.bench_engine", *args],
+             commands)
+        out[key] = json.loads(engine_json.read_text())
+    out["cpus"], out["threads"] = cpus, plan.threads
     return out
 
 

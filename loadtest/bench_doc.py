@@ -191,7 +191,25 @@ def render_inprocess(b: dict[str, Any]) -> list[str]:
     out += ["### Engine in-process: continuous vs request-level vs no batching", "",
             "The same engine and workload, no HTTP (serving/bench_engine.py, closed loop, modes alternated).", "",
             engine_markdown(b["engine"]), ""]
+    if "engine_all_cores" in b:
+        out += [f"The same benchmark with every core of this machine as ONNX Runtime threads "
+                f"({b['engine_all_cores'].get('threads')}), the same for every mode:", "",
+                engine_markdown(b["engine_all_cores"]), ""]
     return out + _commands(b)
+
+
+def engine_reading(doc: dict[str, Any]) -> str | None:
+    """continuous vs the other modes at the highest concurrency of an engine benchmark."""
+    rows = doc["summary"]
+    c = max(r["concurrency"] for r in rows)
+    by = {r["mode"]: r for r in rows if r["concurrency"] == c}
+    cont, req, none = by.get("continuous"), by.get("request"), by.get("none")
+    if not cont or not req or not none:
+        return None
+    return (f"{c} clients, {doc.get('threads') or 'default'} ORT thread(s): continuous batching "
+            f"{cont['busy_tokens_per_s']:.0f} tokens/s, {x(cont['busy_tokens_per_s'] / req['busy_tokens_per_s'])} "
+            f"request-level and {x(cont['busy_tokens_per_s'] / none['busy_tokens_per_s'])} no batching; p99 TTFT "
+            f"{1e3 * cont['ttft_p99_s']:.1f} vs {1e3 * req['ttft_p99_s']:.0f} ms (request-level)")
 
 
 # -- 3. Translation vs CTranslate2 -------------------------------------------------------------------------
@@ -326,6 +344,10 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
         if versus:
             out.append("- " + versus.split(" (section 2")[0] + ".")
     if i.get("ok"):
+        for key in ("engine", "engine_all_cores"):
+            reading = key in i and engine_reading(i[key])
+            if reading:
+                out.append(f"- Engine in-process, {reading}.")
         for task, r in i["step"].items():
             sp = ", ".join(f"batch {row['batch']}: fp32 {x(row['speedup_vs_pytorch']['ort_fp32'])}"
                            + (f", int8 {x(row['speedup_vs_pytorch']['ort_int8'])}" if "ort_int8" in row["speedup_vs_pytorch"]

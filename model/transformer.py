@@ -71,6 +71,33 @@ def length_mask(lengths: Tensor, s: int) -> Tensor:
     return (torch.arange(s, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
 
 
+class Dropout(nn.Module):
+    """nn.Dropout with a CPU fast path. On the CPU each element's keep decision is taken from 16 random bits
+    (one 64-bit draw per four elements) instead of torch's bernoulli_, which alone took a quarter of a training
+    step of the small translator on this machine (torch profiler: 2.5 ms per call, 32 calls per step; a step is
+    15% faster with this one: 255 vs 301 ms for 90 sentence pairs of 16-17 tokens, bf16, 2 threads). The same
+    torch generator is used, so runs stay seeded and resumable. p is rounded to a multiple of 2^-16; kept values
+    are scaled by 1 / (1 - p) as usual. Elsewhere (CUDA) it is F.dropout."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1); got {p}")
+        self.p = p
+        self._threshold = round(p * 65536) - 32768  # int16 draws below it drop their element
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, True)
+        n = x.numel()
+        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-2 ** 63, 2 ** 63 - 1)
+        keep = words.view(torch.int16)[:n].view(x.shape) >= self._threshold
+        kept = (32767 - self._threshold + 1) / 65536  # the exact keep probability of the rounded p
+        return x * keep.to(x.dtype).mul_(1.0 / kept)  # a multiply by a mask: cheaper than where() both ways
+
+
 class MultiHeadAttention(nn.Module):
     """softmax(Q K^T / sqrt(d_k) + mask) V over n_heads heads, then an output projection."""
 
@@ -117,7 +144,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.drop(F.relu(self.fc1(x))))
@@ -128,7 +155,7 @@ class Residual(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
-        self.norm, self.drop, self.pre_norm = nn.LayerNorm(d_model), nn.Dropout(dropout), pre_norm
+        self.norm, self.drop, self.pre_norm = nn.LayerNorm(d_model), Dropout(dropout), pre_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
         if self.pre_norm:
@@ -193,7 +220,7 @@ class Embedding(nn.Module):
         nn.init.normal_(self.tok.weight, std=cfg.d_model ** -0.5)
         self.register_buffer("pe", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False)
         self.scale = math.sqrt(cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
         # ids (B, T); positions (B, T) absolute positions, default 0..T-1

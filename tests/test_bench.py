@@ -44,8 +44,18 @@ def _sections() -> dict:
               "max_new": 128, "requests_per_client": 3,
               "summary": [{"concurrency": 32, "mode": "continuous", "busy_tokens_per_s": 2000.0, "tokens_per_s": 1800.0,
                            "ttft_p50_s": 0.01, "ttft_p99_s": 0.05, "mean_rows_per_step": 30.0,
-                           "continuous_speedup": None, "continuous_speedup_whole_run": None}]}
-    inproc = {"ok": True, "step": {"generate": step}, "engine": engine, "commands": [], "date_utc": "d", "elapsed_s": 60}
+                           "continuous_speedup": None, "continuous_speedup_whole_run": None},
+                          {"concurrency": 32, "mode": "request", "busy_tokens_per_s": 1000.0, "tokens_per_s": 900.0,
+                           "ttft_p50_s": 0.2, "ttft_p99_s": 0.4, "mean_rows_per_step": 30.0,
+                           "continuous_speedup": 2.0, "continuous_speedup_whole_run": 2.0},
+                          {"concurrency": 32, "mode": "none", "busy_tokens_per_s": 400.0, "tokens_per_s": 400.0,
+                           "ttft_p50_s": 0.8, "ttft_p99_s": 1.0, "mean_rows_per_step": 1.0,
+                           "continuous_speedup": 5.0, "continuous_speedup_whole_run": 4.5}], "threads": 1}
+    all_cores = copy.deepcopy(engine)
+    all_cores["threads"] = 2
+    all_cores["summary"][0]["busy_tokens_per_s"] = 3000.0
+    inproc = {"ok": True, "step": {"generate": step}, "engine": engine, "engine_all_cores": all_cores, "commands": [],
+              "date_utc": "d", "elapsed_s": 60}
     tr_row = {"concurrency": 8, "throughput_ratio": 0.5, "identical": 0.95, "ours_same_as_first": True,
               "chrf_ours": 40.0, "chrf_ct2": 40.1,
               "ours": {"sentences_per_s": 10.0, "tokens_per_s": 100.0, "latency_p50_s": 0.5, "latency_p99_s": 0.9},
@@ -108,6 +118,11 @@ def test_doc_has_every_table_ratio_and_the_ct2_ratio_whichever_way_it_falls():
     assert f"{100 * 2000 * per_tok / 200e9:.1f}% of the machine's measured peak" in doc
     assert "| 32 | 5.00 ms | 6400 | 50.0 GFLOP/s | 25.0% | 45.5% |" in doc
     assert "| 16 | 32 | 2.400 | 4.00x |" in doc and "bounds continuous batching's gain" in doc
+    # the engine's modes at the replica's thread count and with every core, in the body and the summary
+    assert ("- Engine in-process, 32 clients, 1 ORT thread(s): continuous batching 2000 tokens/s, 2.00x request-level "
+            "and 5.00x no batching; p99 TTFT 50.0 vs 400 ms (request-level).") in doc
+    assert "- Engine in-process, 32 clients, 2 ORT thread(s): continuous batching 3000 tokens/s, 3.00x" in doc
+    assert "every core of this machine as ONNX Runtime threads (2)" in doc and "| 32 | none | 400 | 5.00x |" in doc
 
 
 def test_doc_reports_failed_sections_and_a_broken_claim():

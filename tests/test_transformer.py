@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model.config import preset
-from model.transformer import build_model, sinusoidal_table
+from model.transformer import Dropout, build_model, sinusoidal_table
 
 V = 50
 
@@ -98,3 +98,25 @@ def test_translation_kv_cache_equals_full_recompute(s2s):
         logits, caches = s2s.step(tgt[:, t : t + 1], torch.ones(2, dtype=torch.long), pos, caches, cross, src_len)
         pos = pos + 1
         torch.testing.assert_close(logits, full[:, t], rtol=0, atol=1e-5)
+
+
+def test_dropout_drops_p_of_the_elements_scales_the_rest_and_passes_gradients_through_the_mask():
+    drop = Dropout(0.1).train()
+    x = torch.rand(1000, 1000) + 0.5  # no zeros of its own
+    torch.manual_seed(0)
+    y = drop(x.requires_grad_())
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 0.1) < 0.002  # 1M Bernoulli draws: sd 0.0003
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / (1 - 6554 / 65536))  # p rounded to 6554 / 2^16
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / (1 - 6554 / 65536))
+    # seeded like every torch op: the same seed gives the same mask, another seed another one
+    torch.manual_seed(0)
+    assert torch.equal(drop(x.detach()), y.detach())
+    assert not torch.equal(drop(x.detach()), y.detach())
+    # bfloat16 activations (autocast) keep their dtype; eval mode and p = 0 are the identity
+    assert drop(x.detach().bfloat16()).dtype == torch.bfloat16
+    assert drop.eval()(x) is x and Dropout(0.0).train()(x) is x
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        Dropout(1.0)
