@@ -313,6 +313,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     if state:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
+        for g in opt.param_groups:  # a state saved before fused AdamW would turn it off again
+            g["fused"] = True
         torch.set_rng_state(state["torch_rng"])
         step, elapsed0 = int(state["step"]), float(state["elapsed"])
         history = json.loads(state["history"])

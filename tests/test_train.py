@@ -165,3 +165,16 @@ def test_both_directions_adds_every_pair_reversed(tmp_path, data_dir):
     assert both.pairs[n:] == [(t[:64], s[:63]) for s, t in one.pairs]
     assert both.texts[n][0].startswith("Das ") and both.texts[n][1].startswith("The ")
     assert sum(len(b) for b in both._epoch(0)[1]) == 2 * n  # an epoch covers both directions
+
+
+def test_train_step_benchmark_times_each_dropout_and_optimizer_variant():
+    from model.bench_train_step import VARIANTS, bench
+    from model.transformer import Dropout
+
+    for task in ("translate", "generate"):
+        r = bench(task, "tiny", pairs=4, tokens=5, vocab=50, rounds=1, steps=1, dropout=0.1)
+        assert set(r["step_ms"]) == set(VARIANTS) and all(v > 0 for v in r["step_ms"].values())
+        for name, model in r["models"].items():  # each variant runs the dropout it names
+            kinds = {type(m) for m in model.modules()} & {Dropout, torch.nn.Dropout}
+            assert kinds == ({Dropout} if VARIANTS[name][0] else {torch.nn.Dropout}), name
+            assert all(m.p == 0.1 for m in model.modules() if type(m) in kinds)

@@ -102,21 +102,36 @@ def test_translation_kv_cache_equals_full_recompute(s2s):
 
 def test_dropout_drops_p_of_the_elements_scales_the_rest_and_passes_gradients_through_the_mask():
     drop = Dropout(0.1).train()
+    scale = 65536 / (65536 - 6554)  # p rounded to 6554 / 2^16
     x = torch.rand(1000, 1000) + 0.5  # no zeros of its own
     torch.manual_seed(0)
     y = drop(x.requires_grad_())
-    dropped = (y == 0).float().mean().item()
-    assert abs(dropped - 0.1) < 0.002  # 1M Bernoulli draws: sd 0.0003
+    zero = (y == 0).float()
+    assert abs(zero.mean().item() - 0.1) < 0.002  # 1M Bernoulli draws: sd 0.0003
+    # each of the four 16-bit lanes of a 64-bit draw decides on its own: every lane drops 10%, and two
+    # neighbours are dropped together 1% of the time (a lane reused for several elements would give 10%)
+    lanes = zero.view(-1, 4).mean(0)
+    assert torch.all((lanes - 0.1).abs() < 0.004), lanes
+    assert abs((zero.view(-1)[:-1] * zero.view(-1)[1:]).mean().item() - 0.01) < 0.001
     kept = y != 0
-    torch.testing.assert_close(y[kept], x[kept] / (1 - 6554 / 65536))  # p rounded to 6554 / 2^16
+    torch.testing.assert_close(y[kept], x[kept] * scale)
     y.sum().backward()
-    torch.testing.assert_close(x.grad, kept.float() / (1 - 6554 / 65536))
-    # seeded like every torch op: the same seed gives the same mask, another seed another one
+    torch.testing.assert_close(x.grad, kept.float() * scale)
+    # seeded like every torch op: the same seed gives the same mask, another draw another one
     torch.manual_seed(0)
     assert torch.equal(drop(x.detach()), y.detach())
     assert not torch.equal(drop(x.detach()), y.detach())
-    # bfloat16 activations (autocast) keep their dtype; eval mode and p = 0 are the identity
-    assert drop(x.detach().bfloat16()).dtype == torch.bfloat16
+    # an odd-sized, non-contiguous input keeps its shape and values where kept
+    z = torch.rand(3, 5, 7).add(1).transpose(0, 2)
+    out = drop(z)
+    assert out.shape == z.shape and (out == 0).any() and (out != 0).any()
+    torch.testing.assert_close(out[out != 0], (z * scale)[out != 0])
+    # bfloat16 activations (autocast) keep their dtype and get the same (rounded) scale
+    ob = drop(torch.ones(4096, dtype=torch.bfloat16))
+    assert ob.dtype == torch.bfloat16 and set(ob.unique().tolist()) <= {0.0, float(torch.tensor(scale).bfloat16())}
+    # eval mode and p = 0 are the identity; p must leave something to keep
     assert drop.eval()(x) is x and Dropout(0.0).train()(x) is x
-    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
-        Dropout(1.0)
+    assert "p=0.1" in repr(drop)
+    for bad in (1.0, -0.1, 1 - 2 ** -18):
+        with pytest.raises(ValueError, match="dropout probability"):
+            Dropout(bad)

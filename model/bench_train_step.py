@@ -1,0 +1,101 @@
+"""Time one training step of a preset, A/B: the project's CPU dropout vs torch's nn.Dropout (bernoulli_), and
+fused vs per-parameter AdamW. The variants alternate in one process (medians over rounds), so the machine's
+noise hits them alike; compare the ratios.
+
+    python -m model.bench_train_step --preset small --task translate --pairs 90 --threads 2
+
+Owns the measurement only. The step is model/train.py's (bf16 autocast, label smoothing 0.1, gradient
+clipping, AdamW betas (0.9, 0.98)) on random token ids; the attention dropout inside
+scaled_dot_product_attention is torch's in every variant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from model.config import preset
+from model.transformer import Dropout, build_model
+
+VARIANTS = {  # name: (project dropout, fused AdamW)
+    "torch dropout, AdamW": (False, False),
+    "project dropout, AdamW": (True, False),
+    "project dropout, fused AdamW": (True, True),
+}
+
+
+def _model(task: str, preset_name: str, vocab: int, project_dropout: bool, dropout: float | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = preset(preset_name, task, vocab, 0)
+    model = build_model(cfg if dropout is None else cfg.replace(dropout=dropout)).train()
+    if not project_dropout:
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, Dropout):
+                    setattr(module, name, torch.nn.Dropout(child.p))
+    return model
+
+
+def bench(task: str = "translate", preset_name: str = "small", pairs: int = 90, tokens: int = 16,
+          vocab: int = 8000, rounds: int = 6, steps: int = 3, dropout: float | None = None) -> dict:
+    """Median ms per training step of each variant on random batches of `pairs` x `tokens` (+1 target);
+    `dropout` overrides the preset's (tiny has none)."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, vocab, (pairs, tokens), generator=g)
+    tin, tout = (torch.randint(4, vocab, (pairs, tokens + 1), generator=g) for _ in range(2))
+    lens = torch.full((pairs,), tokens)
+    runs = {}
+    for name, (project, fused) in VARIANTS.items():
+        model = _model(task, preset_name, vocab, project, dropout)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=fused))
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(src, lens, tin) if task == "translate" else model(tin)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), tout.reshape(-1), label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (model, opt) in runs.items():
+            step(model, opt)  # warm-up of this variant after the others ran
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(model, opt)
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    base = med["torch dropout, AdamW"]
+    return {"models": {name: model for name, (model, _) in runs.items()}, "task": task, "preset": preset_name, "pairs": pairs, "tokens": tokens, "threads": torch.get_num_threads(),
+            "rounds": rounds, "step_ms": {k: round(v, 1) for k, v in med.items()},
+            "speedup_vs_torch_dropout": {k: round(base / v, 2) for k, v in med.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m model.bench_train_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=["translate", "generate"], default="translate")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--pairs", type=int, default=90, help="rows per batch")
+    p.add_argument("--tokens", type=int, default=16, help="source tokens per row (targets get one more)")
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = bench(args.task, args.preset, args.pairs, args.tokens, args.vocab, args.rounds, args.steps)
+    result.pop("models")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
