@@ -154,10 +154,10 @@ def test_replica_failure_under_load(rel):
     one response -- a 200 (Serve retries a plain request whose replica died on the other replica), or a 503
     that says to retry (with Retry-After), or for a stream already answering, an `unavailable` error event --
     none outlives its deadline, no stream repeats a token; Serve replaces the replica, which serves."""
-    victim = min(_two_replicas())
+    replicas = _two_replicas()
     n, concurrency = 240, 24
 
-    async def run() -> tuple[list[Outcome], int, dict, float]:
+    async def run() -> tuple[list[Outcome], int, dict, float, int]:
         async with rel.async_client(timeout=CLIENT_TIMEOUT_S) as client:
             sem, done = asyncio.Semaphore(concurrency), 0
 
@@ -171,10 +171,12 @@ def test_replica_failure_under_load(rel):
             while done < n // 4:
                 await asyncio.sleep(0.005)
             before = await asyncio.to_thread(replica_infos, "generate", 6)
+            # the busier replica: Serve's router may have sent this moment's load to one of the two
+            victim = max(replicas, key=lambda pid: before.get(pid, {}).get("engine", {}).get("running") or 0)
             os.kill(victim, signal.SIGKILL)
             done_at_kill, killed_at = done, time.monotonic()
-            return list(await asyncio.gather(*tasks)), done_at_kill, before, killed_at
-    outcomes, done_at_kill, before, killed = asyncio.run(run())
+            return list(await asyncio.gather(*tasks)), done_at_kill, before, killed_at, victim
+    outcomes, done_at_kill, before, killed, victim = asyncio.run(run())
     served_s = time.monotonic() - killed
     recovered = wait_for(lambda: _replaced(victim), 90, 0.5)
     recovered_s = None if recovered is None else time.monotonic() - killed
