@@ -150,9 +150,9 @@ def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
     # The engine at the replica's thread count, and again with every core (all modes alike): how the modes
     # compare depends on the cores a replica gets, since a big batch uses a second core better than one row.
     cpus = os.cpu_count() or 1
-    for key, threads in (("engine", plan.threads), ("engine_all_cores", cpus)):
-        if key == "engine_all_cores" and (not plan.engine_all_cores or threads <= plan.threads):
-            continue
+    runs = [("engine", plan.threads)] + ([("engine_all_cores", cpus)] if plan.engine_all_cores and cpus > plan.threads
+                                          else [])
+    for key, threads in runs:
         engine_json = art.work / f"{key}.json"
         args = [_rel(art.require_bundle("generate")), "--out", _rel(engine_json), "--concurrency",
                 *map(str, plan.engine_concurrency), "--rounds", str(plan.engine_rounds), "--requests-per-client",

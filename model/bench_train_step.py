@@ -4,8 +4,8 @@ noise hits them alike; compare the ratios.
 
     python -m model.bench_train_step --preset small --task translate --pairs 90 --threads 2
 
-Owns the measurement only. The step is model/train.py's (bf16 autocast, label smoothing 0.1, gradient
-clipping, AdamW betas (0.9, 0.98)) on random token ids; the attention dropout inside
+Owns the measurement only. The step and optimizer are model/train.py's (`train_step`, `make_optimizer`, the
+recipe's bf16 autocast and label smoothing) on random token ids; the attention dropout inside
 scaled_dot_product_attention is torch's in every variant.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from model.config import preset
+from model.train import make_optimizer, recipe, train_step
 from model.transformer import Dropout, build_model
 
 VARIANTS = {  # name: (project dropout, fused AdamW)
@@ -45,23 +45,18 @@ def bench(task: str = "translate", preset_name: str = "small", pairs: int = 90, 
           vocab: int = 8000, rounds: int = 6, steps: int = 3, dropout: float | None = None) -> dict:
     """Median ms per training step of each variant on random batches of `pairs` x `tokens` (+1 target);
     `dropout` overrides the preset's (tiny has none)."""
+    cfg = recipe(task)
     g = torch.Generator().manual_seed(0)
     src = torch.randint(4, vocab, (pairs, tokens), generator=g)
     tin, tout = (torch.randint(4, vocab, (pairs, tokens + 1), generator=g) for _ in range(2))
-    lens = torch.full((pairs,), tokens)
+    batch = (src, torch.full((pairs,), tokens), tin, tout) if task == "translate" else (tin, tout)
     runs = {}
     for name, (project, fused) in VARIANTS.items():
         model = _model(task, preset_name, vocab, project, dropout)
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=fused))
+        runs[name] = (model, make_optimizer(model, cfg, fused=fused))
 
     def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(src, lens, tin) if task == "translate" else model(tin)
-        loss = F.cross_entropy(logits.float().reshape(-1, vocab), tout.reshape(-1), label_smoothing=0.1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        train_step(model, opt, batch, cfg, pad=0)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
@@ -73,8 +68,8 @@ def bench(task: str = "translate", preset_name: str = "small", pairs: int = 90, 
             times[name].append((time.perf_counter() - t0) / steps * 1e3)
     med = {name: statistics.median(v) for name, v in times.items()}
     base = med["torch dropout, AdamW"]
-    return {"models": {name: model for name, (model, _) in runs.items()}, "task": task, "preset": preset_name, "pairs": pairs, "tokens": tokens, "threads": torch.get_num_threads(),
-            "rounds": rounds, "step_ms": {k: round(v, 1) for k, v in med.items()},
+    return {"models": {name: model for name, (model, _) in runs.items()}, "task": task, "preset": preset_name,
+            "pairs": pairs, "tokens": tokens, "threads": torch.get_num_threads(), "rounds": rounds, "step_ms": {k: round(v, 1) for k, v in med.items()},
             "speedup_vs_torch_dropout": {k: round(base / v, 2) for k, v in med.items()}}
 
 
