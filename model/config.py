@@ -25,7 +25,9 @@ class ModelConfig:
     n_encoder_layers: int = 3
     n_decoder_layers: int = 3
     d_ff: int = 1024
-    dropout: float = 0.1
+    dropout: float = 0.1  # on embeddings and each sublayer's output (before the residual add)
+    attention_dropout: float | None = None  # on the attention weights; None = `dropout`
+    activation_dropout: float | None = None  # on the feed-forward's ReLU output; None = `dropout`
     max_len: int = 256  # longest sequence (prompt + generated) the positional table and KV cache cover
     pre_norm: bool = True  # False = post-norm, as in the paper
     tie_embeddings: bool = True  # share source/target embeddings and the output projection
@@ -36,6 +38,14 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if isinstance(self.arch, str) and not isinstance(self.arch, Arch):
             object.__setattr__(self, "arch", Arch(self.arch))
+
+    @property
+    def attn_p(self) -> float:
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def act_p(self) -> float:
+        return self.dropout if self.activation_dropout is None else self.activation_dropout
 
     @property
     def head_dim(self) -> int:

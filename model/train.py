@@ -341,11 +341,19 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     print(f"{cfg.task}/{cfg.preset}: {count_parameters(model) / 1e6:.2f}M parameters, vocab {tok.vocab_size}, "
           f"steps {step}->{cfg.steps}", file=sys.stderr)
 
-    def save(final_metrics: dict | None = None) -> None:
-        train_state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                       "step": step, "elapsed": elapsed, "history": json.dumps(history)}
+    def save(final_metrics: dict | None = None, ema_in_model: bool = False) -> None:
+        """Weights as they are in the model; the train state always as in training (the last weights in the
+        model, the average beside them), also when the average was swapped in to be kept, so that --resume
+        continues the run exactly."""
+        if ema_in_model:
+            avg.swap()
+        train_state = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict(),
+                       "torch_rng": torch.get_rng_state(), "step": step, "elapsed": elapsed,
+                       "history": json.dumps(history)}
         if avg:
-            train_state["ema"] = avg.shadow
+            train_state["ema"] = [t.clone() for t in avg.shadow]
+        if ema_in_model:
+            avg.swap()
         meta = {**meta_base, "step": step, "elapsed_s": round(elapsed, 1), "metrics": final_metrics or {}}
         save_checkpoint(out, model, mcfg, cfg.task, out / TOKENIZER, meta, train_state)
 
@@ -369,8 +377,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             history.append({"step": step, "train_loss": round(run_loss / run_tok, 4), "elapsed_s": round(elapsed, 1)})
             bar.set_postfix(loss=f"{run_loss / run_tok:.3f}", lr=f"{lr:.2e}")
             run_loss, run_tok = 0.0, 0
-        out_of_time = bool(cfg.time_budget_s and elapsed >= cfg.time_budget_s) or step == cfg.stop_at
-        if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
+        last = step == cfg.steps or step == cfg.stop_at or bool(cfg.time_budget_s and elapsed >= cfg.time_budget_s)
+        if step % cfg.eval_every == 0 and not last:  # the last step gets the full validation below
             history.append({"step": step, "eval": validate(model, tok, cfg, mcfg.max_len), "elapsed_s": round(elapsed, 1)})
             if avg:
                 avg.swap()
@@ -378,8 +386,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                 avg.swap()
             bar.write(f"step {step}: {history[-1]['eval']} ema {history[-1].get('eval_ema')} ({elapsed:.0f}s)")
             save()
-        if out_of_time:
-            bar.write(f"stopping at step {step} (time budget or --stop-at)")
+        if last:
+            if step < cfg.steps:
+                bar.write(f"stopping at step {step} (time budget or --stop-at)")
             break
     bar.close()
     final = validate(model, tok, cfg, mcfg.max_len, final=True)
@@ -394,7 +403,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         else:
             avg.swap()
     meta_base["weights"] = weights
-    save(final)
+    save(final, ema_in_model=weights == "ema")
     metrics = {"task": cfg.task, "preset": cfg.preset, "steps": step, "train_seconds": round(elapsed, 1),
                "parameters": count_parameters(model), "weights": weights, "final": final, "history": history}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

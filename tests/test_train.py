@@ -88,6 +88,22 @@ def test_time_budget_schedule_follows_the_clock():
     assert lr_at(200, w, schedule_step(200, 50.0, w)) == pytest.approx(lr_at(500, w))  # the decay follows the clock
 
 
+def test_resume_after_a_stop_that_kept_the_average_continues_from_the_last_weights(tmp_path, data_dir, monkeypatch):
+    """A run that stops (time budget, --stop-at) and keeps the moving average as its weights still saves the
+    train state as in training, so --resume continues exactly (it used to resume from the average)."""
+    import model.train as train_mod
+
+    monkeypatch.setattr(train_mod, "_better", lambda a, b: True)  # the average is kept at every stop
+    kw = dict(ema=0.9)
+    a = train(cfg(tmp_path / "a", data_dir, "translate", **kw))
+    stopped = train(cfg(tmp_path / "b", data_dir, "translate", stop_at=3, **kw))
+    assert a["weights"] == stopped["weights"] == "ema"
+    train(cfg(tmp_path / "b", data_dir, "translate", **kw), resume=True)
+    wa, wb = weights(tmp_path / "a" / "translate"), weights(tmp_path / "b" / "translate")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("task", ["translate", "generate"])
 def test_bf16_and_weight_average_resume_exactly_and_keep_the_better_weights(tmp_path, data_dir, task):
     kw = dict(bf16=True, ema=0.9)

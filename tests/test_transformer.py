@@ -135,3 +135,43 @@ def test_dropout_drops_p_of_the_elements_scales_the_rest_and_passes_gradients_th
     for bad in (1.0, -0.1, 1 - 2 ** -18):
         with pytest.raises(ValueError, match="dropout probability"):
             Dropout(bad)
+
+
+def test_attention_and_activation_dropout_default_to_dropout_and_can_be_set_apart():
+    from model.transformer import FeedForward, MultiHeadAttention, Residual
+
+    def rates(cfg):
+        m = build_model(cfg)
+        return ({mod.dropout for mod in m.modules() if isinstance(mod, MultiHeadAttention)},
+                {mod.drop.p for mod in m.modules() if isinstance(mod, FeedForward)},
+                {mod.drop.p for mod in m.modules() if isinstance(mod, Residual)})
+
+    base = preset("tiny", "translate", V).replace(dropout=0.1)
+    assert rates(base) == ({0.1}, {0.1}, {0.1})  # a config saved before the two fields existed trains as before
+    assert base.from_dict({k: v for k, v in base.to_dict().items()
+                           if k not in ("attention_dropout", "activation_dropout")}) == base
+    split = base.replace(attention_dropout=0.0, activation_dropout=0.05)
+    assert rates(split) == ({0.0}, {0.05}, {0.1})
+    assert type(split).from_dict(split.to_dict()) == split  # saved in checkpoints and bundle manifests
+
+
+def test_training_attention_kernel_gives_the_eval_paths_results_and_applies_attention_dropout():
+    """Training on the CPU runs attention through torch's math kernel; with no dropout its outputs and
+    gradients are the eval path's (torch's default kernel) to float rounding."""
+    torch.manual_seed(3)
+    m = build_model(preset("tiny", "translate", V))  # dropout 0 everywhere
+    src, lens, tgt = torch.randint(4, V, (3, 7)), torch.tensor([7, 5, 2]), torch.randint(4, V, (3, 6))
+    results = []
+    for train in (True, False):
+        m.train(train).zero_grad()
+        out = m(src, lens, tgt)
+        out.square().sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in m.parameters()]))
+    (o_train, g_train), (o_eval, g_eval) = results
+    torch.testing.assert_close(o_train, o_eval, rtol=0, atol=1e-5)
+    for a, b in zip(g_train, g_eval):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with_attn_drop = build_model(m.cfg.replace(attention_dropout=0.3))
+    with_attn_drop.load_state_dict(m.state_dict())
+    with_attn_drop.train()
+    assert not torch.allclose(with_attn_drop(src, lens, tgt), o_eval, atol=1e-3)
