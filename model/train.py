@@ -416,7 +416,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 RECIPES: dict[str, dict] = {
     "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=5000,
                       time_budget_s=1140, batch_tokens=3000, lr=2e-3, warmup=400, vocab_size=8000,
-                      eval_every=500, bf16=True, ema=0.999),
+                      eval_every=1000, bf16=True, ema=0.999),
     "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=3000,
                      time_budget_s=600, lm_batch=24, lm_window=128, lr=1.5e-3, warmup=200, vocab_size=4000,
                      eval_every=500, bf16=True, ema=0.999),
