@@ -1,12 +1,13 @@
-"""Time one training step of a preset, A/B: the project's CPU dropout vs torch's nn.Dropout (bernoulli_), and
-fused vs per-parameter AdamW. The variants alternate in one process (medians over rounds), so the machine's
-noise hits them alike; compare the ratios.
+"""Time one training step of a preset, A/B: the project's CPU dropout vs torch's nn.Dropout (bernoulli_),
+fused vs per-parameter AdamW, and dropout on the attention weights and ReLU outputs (as `dropout`) vs none
+(the translation preset since session 8). The variants alternate in one process (medians over rounds), so the
+machine's noise hits them alike; compare the ratios.
 
     python -m model.bench_train_step --preset small --task translate --pairs 90 --threads 2
 
 Owns the measurement only. The step and optimizer are model/train.py's (`train_step`, `make_optimizer`, the
 recipe's bf16 autocast and label smoothing) on random token ids; the attention dropout inside
-scaled_dot_product_attention is torch's in every variant.
+scaled_dot_product_attention is torch's wherever it is on.
 """
 from __future__ import annotations
 
@@ -22,17 +23,21 @@ from model.config import preset
 from model.train import make_optimizer, recipe, train_step
 from model.transformer import Dropout, build_model
 
-VARIANTS = {  # name: (project dropout, fused AdamW)
-    "torch dropout, AdamW": (False, False),
-    "project dropout, AdamW": (True, False),
-    "project dropout, fused AdamW": (True, True),
+VARIANTS = {  # name: (project dropout, fused AdamW, dropout on attention weights and ReLU outputs)
+    "torch dropout, AdamW": (False, False, True),
+    "project dropout, AdamW": (True, False, True),
+    "project dropout, fused AdamW": (True, True, True),
+    "project dropout, fused AdamW, none on attention/ReLU": (True, True, False),
 }
 
 
-def _model(task: str, preset_name: str, vocab: int, project_dropout: bool, dropout: float | None) -> torch.nn.Module:
+def _model(task: str, preset_name: str, vocab: int, project_dropout: bool, inner: bool,
+           dropout: float | None) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = preset(preset_name, task, vocab, 0)
-    model = build_model(cfg if dropout is None else cfg.replace(dropout=dropout)).train()
+    cfg = cfg if dropout is None else cfg.replace(dropout=dropout)
+    inner_p = cfg.dropout if inner else 0.0
+    model = build_model(cfg.replace(attention_dropout=inner_p, activation_dropout=inner_p)).train()
     if not project_dropout:
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
@@ -51,8 +56,8 @@ def bench(task: str = "translate", preset_name: str = "small", pairs: int = 90, 
     tin, tout = (torch.randint(4, vocab, (pairs, tokens + 1), generator=g) for _ in range(2))
     batch = (src, torch.full((pairs,), tokens), tin, tout) if task == "translate" else (tin, tout)
     runs = {}
-    for name, (project, fused) in VARIANTS.items():
-        model = _model(task, preset_name, vocab, project, dropout)
+    for name, (project, fused, inner) in VARIANTS.items():
+        model = _model(task, preset_name, vocab, project, inner, dropout)
         runs[name] = (model, make_optimizer(model, cfg, fused=fused))
 
     def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

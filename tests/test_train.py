@@ -185,12 +185,16 @@ def test_both_directions_adds_every_pair_reversed(tmp_path, data_dir):
 
 def test_train_step_benchmark_times_each_dropout_and_optimizer_variant():
     from model.bench_train_step import VARIANTS, bench
-    from model.transformer import Dropout
+    from model.transformer import Dropout, FeedForward, MultiHeadAttention
 
     for task in ("translate", "generate"):
         r = bench(task, "tiny", pairs=4, tokens=5, vocab=50, rounds=1, steps=1, dropout=0.1)
         assert set(r["step_ms"]) == set(VARIANTS) and all(v > 0 for v in r["step_ms"].values())
         for name, model in r["models"].items():  # each variant runs the dropout it names
+            project, _, inner = VARIANTS[name]
             kinds = {type(m) for m in model.modules()} & {Dropout, torch.nn.Dropout}
-            assert kinds == ({Dropout} if VARIANTS[name][0] else {torch.nn.Dropout}), name
-            assert all(m.p == 0.1 for m in model.modules() if type(m) in kinds)
+            assert kinds == ({Dropout} if project else {torch.nn.Dropout}), name
+            ffn_drops = {id(m.drop) for m in model.modules() if isinstance(m, FeedForward)}
+            assert all(m.p == (0.1 if inner or id(m) not in ffn_drops else 0.0)
+                       for m in model.modules() if type(m) in kinds), name
+            assert {m.dropout for m in model.modules() if isinstance(m, MultiHeadAttention)} == {0.1 if inner else 0.0}
