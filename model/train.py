@@ -377,7 +377,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             history.append({"step": step, "train_loss": round(run_loss / run_tok, 4), "elapsed_s": round(elapsed, 1)})
             bar.set_postfix(loss=f"{run_loss / run_tok:.3f}", lr=f"{lr:.2e}")
             run_loss, run_tok = 0.0, 0
-        last = step == cfg.steps or step == cfg.stop_at or bool(cfg.time_budget_s and elapsed >= cfg.time_budget_s)
+        out_of_time = bool(cfg.time_budget_s and elapsed >= cfg.time_budget_s)
+        last = step == cfg.steps or step == cfg.stop_at or out_of_time
         if step % cfg.eval_every == 0 and not last:  # the last step gets the full validation below
             history.append({"step": step, "eval": validate(model, tok, cfg, mcfg.max_len), "elapsed_s": round(elapsed, 1)})
             if avg:
