@@ -153,6 +153,9 @@ def test_attention_and_activation_dropout_default_to_dropout_and_can_be_set_apar
     split = base.replace(attention_dropout=0.0, activation_dropout=0.05)
     assert rates(split) == ({0.0}, {0.05}, {0.1})
     assert type(split).from_dict(split.to_dict()) == split  # saved in checkpoints and bundle manifests
+    for bad in (dict(attention_dropout=1.0), dict(activation_dropout=-0.1), dict(dropout=1.5)):
+        with pytest.raises(ValueError, match="must be in"):
+            base.replace(**bad)
 
 
 def test_training_attention_kernel_gives_the_eval_paths_results_and_applies_attention_dropout():
