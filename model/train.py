@@ -10,6 +10,7 @@ random windows of the token stream, each starting with bos.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import data as data_mod
-from model.checkpoint import TOKENIZER, load_train_state, save_checkpoint
+from model.checkpoint import META, TOKENIZER, load_train_state, save_checkpoint
 from model.config import ModelConfig, preset
 from model.decode import lm_nll, translate
 from model.scores import bits_per_char, chrf
@@ -81,6 +82,12 @@ def schedule_step(step: int, elapsed: float, cfg: TrainConfig) -> int:
     if cfg.time_budget_s:
         return min(cfg.steps, max(step, int(cfg.steps * elapsed / cfg.time_budget_s)))
     return step
+
+
+def saved_model_config(out: Path) -> ModelConfig | None:
+    """The model config of the checkpoint in `out`, if there is one."""
+    meta = out / META
+    return ModelConfig.from_dict(json.loads(meta.read_text())["model_config"]) if meta.is_file() else None
 
 
 def train_tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
@@ -322,7 +329,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     if resume and state is None:
         raise FileNotFoundError(f"--resume: no train_state.pt in {out}")
     tok = Tokenizer.load(out / TOKENIZER) if state else train_tokenizer(cfg, out)
-    mcfg: ModelConfig = preset(cfg.preset, cfg.task, tok.vocab_size, tok.pad_id)
+    # A resumed run keeps the model it was started with, also when the preset has changed since.
+    saved = saved_model_config(out) if state else None
+    mcfg: ModelConfig = saved or preset(cfg.preset, cfg.task, tok.vocab_size, tok.pad_id)
     torch.manual_seed(cfg.seed)
     model = build_model(mcfg)
     opt = make_optimizer(model, cfg)
@@ -347,11 +356,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         continues the run exactly."""
         if ema_in_model:
             avg.swap()
-        train_state = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict(),
+        train_state = {"model": copy.deepcopy(model.state_dict()), "optimizer": opt.state_dict(),  # tied stay one
                        "torch_rng": torch.get_rng_state(), "step": step, "elapsed": elapsed,
                        "history": json.dumps(history)}
         if avg:
-            train_state["ema"] = [t.clone() for t in avg.shadow]
+            train_state["ema"] = copy.deepcopy(avg.shadow)
         if ema_in_model:
             avg.swap()
         meta = {**meta_base, "step": step, "elapsed_s": round(elapsed, 1), "metrics": final_metrics or {}}
@@ -390,6 +399,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         if last:
             if step < cfg.steps:
                 bar.write(f"stopping at step {step} (time budget or --stop-at)")
+            save()  # an interrupt during the final validation loses nothing
             break
     bar.close()
     final = validate(model, tok, cfg, mcfg.max_len, final=True)

@@ -132,8 +132,8 @@ class MultiHeadAttention(nn.Module):
         # q (B, H, T, Dh), k/v (B, H, S, Dh), allowed broadcastable to (B, H, T, S)
         mask = additive_mask(allowed, q.dtype)
         if self.training and q.device.type == "cpu":
-            # The math kernel: without attention dropout torch picks its CPU flash kernel, whose forward and
-            # backward are 1.3x slower at these sizes (a whole training step: 306 vs 237 ms).
+            # The math kernel: without attention dropout torch picks its CPU flash kernel, with which a whole
+            # training step of the small preset is 1.3x slower (306 vs 237 ms).
             with sdpa_kernel(SDPBackend.MATH):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout)
         else:

@@ -83,6 +83,24 @@ def test_greedy_outputs_identical_to_pytorch(bundles, task, graph):
     assert sum(map(len, a)) > 7 * 5  # a random model does not stop at once: the comparison has substance
 
 
+def test_unequal_encoder_and_decoder_depths_export_with_parity(tmp_path):
+    """The shipped translator has 2 encoder and 4 decoder layers (the tiny preset 2 + 2): a 1 + 3 model's
+    graphs give PyTorch's logits and greedy tokens, so no graph mixes up the two depths."""
+    from export.bundle import Variant
+
+    ck_dir = tiny_checkpoint(tmp_path / "ck", "translate", n_encoder_layers=1, n_decoder_layers=3)
+    build_bundle(ck_dir, tmp_path / "bundle", Variant("fp32"), check_sentences=0)
+    ck, bundle = load_checkpoint(ck_dir), load_bundle(tmp_path / "bundle")
+    assert (bundle.config.n_encoder_layers, bundle.config.n_decoder_layers) == (1, 3)
+    batch, lengths = SYNTHETIC_BATCHES[-1]
+    for graph in ("decoder", "decoder_cpu"):
+        rt = ModelRuntime(bundle, n_slots=9, provider="cpu", decoder_graph=graph)
+        ref = TorchRuntime(ck.model, 9, ck.tokenizer.special_ids)
+        inputs = synthetic_inputs(ck.config.vocab_size, lengths, seed=7, bos=None)
+        r = lockstep(ref, rt, inputs, steps=20, start=9 - batch)
+        assert max(r["per_step_max_abs"]) <= FP32_TOLERANCE and r["rows_greedy_identical"] == batch, (graph, r)
+
+
 def test_manifest_records_hashes_source_and_parity(bundles):
     m = load_bundle(bundles["translate"]).manifest
     assert set(m["files"]) == {"tokenizer.json", "encoder.onnx", "decoder.onnx", "decoder_cpu.onnx"}

@@ -88,6 +88,34 @@ def test_time_budget_schedule_follows_the_clock():
     assert lr_at(200, w, schedule_step(200, 50.0, w)) == pytest.approx(lr_at(500, w))  # the decay follows the clock
 
 
+def test_resume_keeps_the_model_config_the_run_started_with(tmp_path, data_dir, monkeypatch):
+    """--resume (also `make serve` after an interrupted run) continues the saved model even when the preset
+    has changed since (session 8 changed the small translator from 3+3 to 2+4 layers)."""
+    from model import config
+
+    train(cfg(tmp_path / "a", data_dir, "translate"))
+    train(cfg(tmp_path / "b", data_dir, "translate", stop_at=3))
+    changed = {**config.PRESETS["tiny"]["translate"], "n_encoder_layers": 1, "n_decoder_layers": 3}
+    monkeypatch.setitem(config.PRESETS["tiny"], "translate", changed)
+    train(cfg(tmp_path / "b", data_dir, "translate"), resume=True)
+    assert load_checkpoint(tmp_path / "b" / "translate").config == load_checkpoint(tmp_path / "a" / "translate").config
+    wa, wb = weights(tmp_path / "a" / "translate"), weights(tmp_path / "b" / "translate")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
+def test_validation_on_the_way_and_once_on_the_whole_split_at_the_end(tmp_path, data_dir):
+    """Every eval_every steps on eval_sentences; the last step (end, time budget or --stop-at) only on the whole
+    valid split: no partial validation just before the full one."""
+    n_valid = len(data.load_pairs(data_dir, "valid"))
+    assert n_valid > 8
+    for kw, steps in (({}, [4, 8]), ({"stop_at": 3}, [3]), ({"stop_at": 4}, [4])):
+        m = train(cfg(tmp_path / str(steps), data_dir, "translate", **kw))
+        evals = [h for h in m["history"] if "eval" in h]
+        assert [h["step"] for h in evals] == steps, kw
+        assert [h["eval"]["valid_sentences"] for h in evals] == [8] * (len(steps) - 1) + [n_valid], kw
+
+
 def test_resume_after_a_stop_that_kept_the_average_continues_from_the_last_weights(tmp_path, data_dir, monkeypatch):
     """A run that stops (time budget, --stop-at) and keeps the moving average as its weights still saves the
     train state as in training, so --resume continues exactly (it used to resume from the average)."""

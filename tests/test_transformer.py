@@ -158,16 +158,28 @@ def test_attention_and_activation_dropout_default_to_dropout_and_can_be_set_apar
             base.replace(**bad)
 
 
-def test_training_attention_kernel_gives_the_eval_paths_results_and_applies_attention_dropout():
+def test_training_attention_kernel_gives_the_eval_paths_results_and_applies_attention_dropout(monkeypatch):
     """Training on the CPU runs attention through torch's math kernel; with no dropout its outputs and
     gradients are the eval path's (torch's default kernel) to float rounding."""
+    import model.transformer as T
+
+    chosen, original = [], T.sdpa_kernel
+
+    def recording_sdpa_kernel(backend):
+        chosen.append(backend)
+        return original(backend)
+
+    monkeypatch.setattr(T, "sdpa_kernel", recording_sdpa_kernel)
     torch.manual_seed(3)
     m = build_model(preset("tiny", "translate", V))  # dropout 0 everywhere
+    n_attention = sum(isinstance(mod, T.MultiHeadAttention) for mod in m.modules())
     src, lens, tgt = torch.randint(4, V, (3, 7)), torch.tensor([7, 5, 2]), torch.randint(4, V, (3, 6))
     results = []
     for train in (True, False):
         m.train(train).zero_grad()
+        chosen.clear()
         out = m(src, lens, tgt)
+        assert chosen == ([T.SDPBackend.MATH] * n_attention if train else []), (train, chosen)
         out.square().sum().backward()
         results.append((out.detach(), [p.grad.clone() for p in m.parameters()]))
     (o_train, g_train), (o_eval, g_eval) = results
