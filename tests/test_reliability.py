@@ -242,11 +242,14 @@ async def _open_loop(client: httpx.AsyncClient, body: dict, rate: float, seconds
 
 
 async def _gauge_peaks(client: httpx.AsyncClient, model: str, until: asyncio.Event) -> dict[str, float]:
-    peaks = {"kvserve_waiting_requests": 0.0, "kvserve_running_requests": 0.0}
+    """Peaks of the waiting and running gauges, and of their sum in one scrape ("admitted")."""
+    names = ("kvserve_waiting_requests", "kvserve_running_requests")
+    peaks = dict.fromkeys((*names, "admitted"), 0.0)
     while not until.is_set():
         text = (await client.get("/metrics")).text
-        for name in peaks:
-            peaks[name] = max(peaks[name], metric(text, name, model=model))
+        now = {name: metric(text, name, model=model) for name in names}
+        for name, value in (*now.items(), ("admitted", sum(now.values()))):
+            peaks[name] = max(peaks[name], value)
         await asyncio.sleep(0.5)
     return peaks
 
@@ -289,7 +292,9 @@ def test_overload_is_refused_with_429_promptly(rel):
     assert all(o.retry_after and int(o.retry_after) >= 1 and o.error["type"] == "overloaded" for o in refused)
     assert percentile([o.latency for o in refused], 0.99) < 2.0, "429s were not prompt"
     assert max(ok) < DEADLINE_S, "an accepted request took longer than its deadline"
-    assert peaks["kvserve_waiting_requests"] <= 2 and peaks["kvserve_running_requests"] <= 2, peaks
+    # the engine admits up to max_waiting (2) beyond its busy slots: a request admitted while a slot is free
+    # waits for the next step to take it, so the waiting gauge alone may read 3 or 4, never the sum above 4
+    assert peaks["admitted"] <= 2 + 2 and peaks["kvserve_running_requests"] <= 2, peaks
     assert rss["after"] - rss["before"] < 64, rss
     assert ready_s is not None
 
