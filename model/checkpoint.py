@@ -85,3 +85,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> Checkpoint:
 def load_train_state(path: Path) -> dict[str, Any] | None:
     f = path / TRAIN_STATE
     return torch.load(f, weights_only=True) if f.is_file() else None
+
+
+def load_model_config(path: str | Path) -> ModelConfig | None:
+    """The model config of the checkpoint in `path`, or None when there is none."""
+    meta = Path(path) / META
+    return ModelConfig.from_dict(json.loads(meta.read_text())["model_config"]) if meta.is_file() else None

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import data as data_mod
-from model.checkpoint import META, TOKENIZER, load_train_state, save_checkpoint
+from model.checkpoint import TOKENIZER, load_model_config, load_train_state, save_checkpoint
 from model.config import ModelConfig, preset
 from model.decode import lm_nll, translate
 from model.scores import bits_per_char, chrf
@@ -82,12 +82,6 @@ def schedule_step(step: int, elapsed: float, cfg: TrainConfig) -> int:
     if cfg.time_budget_s:
         return min(cfg.steps, max(step, int(cfg.steps * elapsed / cfg.time_budget_s)))
     return step
-
-
-def saved_model_config(out: Path) -> ModelConfig | None:
-    """The model config of the checkpoint in `out`, if there is one."""
-    meta = out / META
-    return ModelConfig.from_dict(json.loads(meta.read_text())["model_config"]) if meta.is_file() else None
 
 
 def train_tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
@@ -330,7 +324,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         raise FileNotFoundError(f"--resume: no train_state.pt in {out}")
     tok = Tokenizer.load(out / TOKENIZER) if state else train_tokenizer(cfg, out)
     # A resumed run keeps the model it was started with, also when the preset has changed since.
-    saved = saved_model_config(out) if state else None
+    saved = load_model_config(out) if state else None
     mcfg: ModelConfig = saved or preset(cfg.preset, cfg.task, tok.vocab_size, tok.pad_id)
     torch.manual_seed(cfg.seed)
     model = build_model(mcfg)
