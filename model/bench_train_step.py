@@ -1,6 +1,7 @@
 """Time one training step of a preset, A/B: the project's CPU dropout vs torch's nn.Dropout (bernoulli_),
-fused vs per-parameter AdamW, and dropout on the attention weights and ReLU outputs (as `dropout`) vs none
-(the translation preset since session 8). The variants alternate in one process (medians over rounds), so the
+fused vs per-parameter AdamW, dropout on the attention weights and ReLU outputs (as `dropout`) vs none
+(the translation preset since session 8), and the fused label-smoothed loss (model/loss.py) vs torch's
+cross_entropy. The variants alternate in one process (medians over rounds), so the
 machine's noise hits them alike; compare the ratios.
 
     python -m model.bench_train_step --preset small --task translate --pairs 90 --threads 2
@@ -20,14 +21,16 @@ import time
 import torch
 
 from model.config import preset
+from model.loss import smoothed_cross_entropy, torch_cross_entropy
 from model.train import make_optimizer, recipe, train_step
 from model.transformer import Dropout, build_model
 
-VARIANTS = {  # name: (project dropout, fused AdamW, dropout on attention weights and ReLU outputs)
-    "torch dropout, AdamW": (False, False, True),
-    "project dropout, AdamW": (True, False, True),
-    "project dropout, fused AdamW": (True, True, True),
-    "project dropout, fused AdamW, none on attention/ReLU": (True, True, False),
+VARIANTS = {  # name: (project dropout, fused AdamW, dropout on attention weights and ReLU outputs, fused loss)
+    "torch dropout, AdamW": (False, False, True, False),
+    "project dropout, AdamW": (True, False, True, False),
+    "project dropout, fused AdamW": (True, True, True, False),
+    "project dropout, fused AdamW, none on attention/ReLU": (True, True, False, False),
+    "project dropout, fused AdamW, none on attention/ReLU, fused loss": (True, True, False, True),
 }
 
 
@@ -56,24 +59,22 @@ def bench(task: str = "translate", preset_name: str = "small", pairs: int = 90, 
     tin, tout = (torch.randint(4, vocab, (pairs, tokens + 1), generator=g) for _ in range(2))
     batch = (src, torch.full((pairs,), tokens), tin, tout) if task == "translate" else (tin, tout)
     runs = {}
-    for name, (project, fused, inner) in VARIANTS.items():
+    for name, (project, fused, inner, fused_loss) in VARIANTS.items():
         model = _model(task, preset_name, vocab, project, inner, dropout)
-        runs[name] = (model, make_optimizer(model, cfg, fused=fused))
-
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        train_step(model, opt, batch, cfg, pad=0)
+        criterion = smoothed_cross_entropy if fused_loss else torch_cross_entropy
+        runs[name] = (model, make_optimizer(model, cfg, fused=fused), criterion)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
-        for name, (model, opt) in runs.items():
-            step(model, opt)  # warm-up of this variant after the others ran
+        for name, (model, opt, criterion) in runs.items():
+            train_step(model, opt, batch, cfg, 0, criterion)  # warm-up of this variant after the others ran
             t0 = time.perf_counter()
             for _ in range(steps):
-                step(model, opt)
+                train_step(model, opt, batch, cfg, 0, criterion)
             times[name].append((time.perf_counter() - t0) / steps * 1e3)
     med = {name: statistics.median(v) for name, v in times.items()}
     base = med["torch dropout, AdamW"]
-    return {"models": {name: model for name, (model, _) in runs.items()}, "task": task, "preset": preset_name,
+    return {"models": {name: model for name, (model, _, _) in runs.items()}, "task": task, "preset": preset_name,
             "pairs": pairs, "tokens": tokens, "threads": torch.get_num_threads(), "rounds": rounds, "step_ms": {k: round(v, 1) for k, v in med.items()},
             "speedup_vs_torch_dropout": {k: round(base / v, 2) for k, v in med.items()}}
 

@@ -23,13 +23,13 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import data as data_mod
 from model.checkpoint import TOKENIZER, load_model_config, load_train_state, save_checkpoint
 from model.config import ModelConfig, preset
 from model.decode import lm_nll, translate
+from model.loss import Criterion, smoothed_cross_entropy
 from model.scores import bits_per_char, chrf
 from model.tokenizer import Tokenizer
 from model.transformer import build_model, count_parameters
@@ -215,7 +215,7 @@ class Batcher:
 
 
 def loss_on(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], cfg: TrainConfig, pad: int,
-            smoothing: float) -> tuple[torch.Tensor, int]:
+            smoothing: float, criterion: Criterion = smoothed_cross_entropy) -> tuple[torch.Tensor, int]:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):  # weights and optimizer stay fp32
         if cfg.task == "translate":
             src, lens, tin, tout = batch
@@ -223,9 +223,7 @@ def loss_on(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], cfg: TrainC
         else:
             x, tout = batch
             logits = model(x)
-    logits = logits.float()
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tout.reshape(-1), ignore_index=pad,
-                           label_smoothing=smoothing)
+    loss = criterion(logits.reshape(-1, logits.shape[-1]), tout.reshape(-1), pad, smoothing)
     return loss, int((tout != pad).sum())
 
 
@@ -240,9 +238,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...],
-               cfg: TrainConfig, pad: int) -> tuple[torch.Tensor, int]:
+               cfg: TrainConfig, pad: int, criterion: Criterion = smoothed_cross_entropy) -> tuple[torch.Tensor, int]:
     """One update: loss, backward, gradient clipping, optimizer step. Returns the loss and its token count."""
-    loss, ntok = loss_on(model, batch, cfg, pad, cfg.label_smoothing)
+    loss, ntok = loss_on(model, batch, cfg, pad, cfg.label_smoothing, criterion)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)

@@ -219,10 +219,40 @@ def test_train_step_benchmark_times_each_dropout_and_optimizer_variant():
         r = bench(task, "tiny", pairs=4, tokens=5, vocab=50, rounds=1, steps=1, dropout=0.1)
         assert set(r["step_ms"]) == set(VARIANTS) and all(v > 0 for v in r["step_ms"].values())
         for name, model in r["models"].items():  # each variant runs the dropout it names
-            project, _, inner = VARIANTS[name]
+            project, _, inner, _ = VARIANTS[name]
             kinds = {type(m) for m in model.modules()} & {Dropout, torch.nn.Dropout}
             assert kinds == ({Dropout} if project else {torch.nn.Dropout}), name
             ffn_drops = {id(m.drop) for m in model.modules() if isinstance(m, FeedForward)}
             assert all(m.p == (0.1 if inner or id(m) not in ffn_drops else 0.0)
                        for m in model.modules() if type(m) in kinds), name
             assert {m.dropout for m in model.modules() if isinstance(m, MultiHeadAttention)} == {0.1 if inner else 0.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_fused_loss_equals_torch_cross_entropy_in_value_and_gradient(dtype, eps):
+    from model.loss import smoothed_cross_entropy, torch_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 500, generator=g) * 4).to(dtype)
+    target = torch.randint(1, 500, (64,), generator=g)
+    target[::5] = 0  # pad positions count for nothing
+    grads = []
+    for loss_fn in (torch_cross_entropy, smoothed_cross_entropy):
+        x = logits.clone().requires_grad_()
+        loss = loss_fn(x, target, 0, eps)
+        (loss * 3).backward()
+        grads.append((loss.detach(), x.grad))
+    (ref, g_ref), (got, g_got) = grads
+    assert g_got.dtype == dtype
+    assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    tol = 1e-7 if dtype == torch.float32 else 1e-3 * g_ref.float().abs().max()
+    assert (g_got.float() - g_ref.float()).abs().max() <= tol
+    assert g_got[::5].abs().max() == 0
+
+
+def test_fused_loss_refuses_a_smoothing_outside_0_1():
+    from model.loss import smoothed_cross_entropy
+
+    with pytest.raises(ValueError, match="label smoothing must be in"):
+        smoothed_cross_entropy(torch.zeros(2, 3), torch.tensor([1, 2]), 0, 1.0)
