@@ -21,6 +21,7 @@ import time
 import torch
 
 from model.config import preset
+from model.cpu_memory import keep_freed_memory
 from model.loss import smoothed_cross_entropy, torch_cross_entropy
 from model.train import make_optimizer, recipe, train_step
 from model.transformer import Dropout, build_model
@@ -89,11 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--malloc-defaults", action="store_true",
+                   help="leave glibc's malloc as it is (training keeps freed memory: model/cpu_memory.py); "
+                        "run once with and once without to compare, it is a setting of the whole process")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    kept = False if args.malloc_defaults else keep_freed_memory()
     result = bench(args.task, args.preset, args.pairs, args.tokens, args.vocab, args.rounds, args.steps)
     result.pop("models")
+    result["keep_freed_memory"] = kept
     print(json.dumps(result, indent=2))
     return 0
 

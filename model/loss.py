@@ -4,11 +4,15 @@ It computes what `F.cross_entropy(logits.float(), target, ignore_index=pad, labe
 (the mean over non-pad positions of (1 - eps) * NLL + eps * the mean NLL over all classes), with fewer
 passes over the (positions x vocabulary) logits, which dominate the loss's cost at an 8k vocabulary:
 
-- forward: bf16 logits are read once into fp32 exp(x - max) (kept for backward in place of log-softmax's
-  output), plus two reductions; no fp32 copy of the logits, no log-softmax tensor;
-- backward: the gradient softmax - (1 - eps) * onehot - eps / V, scaled per row, is written in one pass and
-  cast once to the logits' dtype; torch's version materializes the NLL and smoothing gradients separately,
-  adds them and runs log-softmax's backward and the cast's backward after it.
+- forward: a chunk of rows at a time in fp32: max, the target's logit, the row sum (smoothing) and the
+  log-sum-exp; only the log-sum-exp per row is kept for backward, not a log-softmax tensor;
+- backward: the gradient softmax - (1 - eps) * onehot - eps / V, scaled per row, recomputed a chunk at a
+  time and written once in the logits' dtype; torch's version materializes the NLL and smoothing gradients
+  separately, adds them and runs log-softmax's backward and the cast's backward after it.
+
+Chunks keep every fp32 temporary at 8 MiB: a fresh (positions x vocabulary) fp32 tensor is 49 MB at 1,530 x
+8,000, above glibc's largest mmap threshold, so each one is a new mapping whose pages fault on first touch
+(13 ms for `x.float()` of that size here vs 1.9 ms into reused memory).
 
 Measured (`python -m model.bench_train_step --pairs 90 --threads 2`, variant "fused loss"): see README.
 Owns only the loss; which positions count (pad) and the smoothing come from model/train.py.
@@ -23,36 +27,46 @@ import torch.nn.functional as F
 Criterion = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]  # (logits, target, pad, eps) -> loss
 
 
+_CHUNK_BYTES = 8 << 20  # fp32 rows per chunk: well under glibc's 32 MiB mmap cap (see model/cpu_memory.py)
+
+
 class _SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, pad: int, eps: float) -> torch.Tensor:
-        # logits (N, V) in any float dtype, target (N,); the math runs in fp32
+        # logits (N, V) in any float dtype, target (N,); the math runs in fp32, a chunk of rows at a time
+        n_rows, vocab = logits.shape
+        rows = max(1, _CHUNK_BYTES // (4 * vocab))
         keep = target != pad  # (N,)
-        n = keep.sum().clamp(min=1).to(torch.float32)
-        m = logits.amax(-1, keepdim=True).float()  # (N, 1)
-        e = torch.sub(logits, m)  # (N, V) fp32: bf16 - fp32 promotes, one pass
-        e.exp_()
-        s = e.sum(-1)  # (N,)
-        lse = m.squeeze(-1) + s.log()
         safe = target.masked_fill(~keep, 0)
-        x_t = logits.gather(1, safe[:, None]).squeeze(1).float()
-        per_row = lse - (1.0 - eps) * x_t
-        if eps:
-            per_row = per_row - eps * logits.sum(-1, dtype=torch.float32) / logits.shape[-1]
-        loss = (per_row * keep).sum() / n
-        ctx.save_for_backward(e, s, safe, keep, n)
-        ctx.eps, ctx.dtype = eps, logits.dtype
-        return loss
+        lse = torch.empty(n_rows)  # (N,) log-sum-exp of each row
+        per_row = torch.empty(n_rows)  # (N,) the loss of each row
+        for a in range(0, n_rows, rows):
+            x = logits[a: a + rows].to(torch.float32, copy=True)  # (r, V); a copy also of fp32 logits
+            m = x.amax(-1)
+            loss = -(1.0 - eps) * x.gather(1, safe[a: a + rows, None]).squeeze(1)
+            if eps:
+                loss -= (eps / vocab) * x.sum(-1)
+            lse[a: a + rows] = m + x.sub_(m[:, None]).exp_().sum(-1).log_()
+            per_row[a: a + rows] = loss + lse[a: a + rows]
+        n = keep.sum().clamp(min=1).to(torch.float32)
+        ctx.save_for_backward(logits, lse, safe, keep, n)
+        ctx.eps, ctx.rows = eps, rows
+        return (per_row * keep).sum() / n
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        e, s, safe, keep, n = ctx.saved_tensors
+        logits, lse, safe, keep, n = ctx.saved_tensors
+        eps, rows = ctx.eps, ctx.rows
         scale = grad.float() * keep / n  # (N,) zero on pad rows
-        g = e.mul_(scale[:, None] / s[:, None])  # softmax * scale, in place of the saved exp
-        if ctx.eps:
-            g.sub_((ctx.eps / g.shape[-1]) * scale[:, None])
-        g.scatter_add_(1, safe[:, None], (-(1.0 - ctx.eps) * scale)[:, None])
-        return g.to(ctx.dtype), None, None, None
+        out = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], rows):
+            sc = scale[a: a + rows, None]  # (r, 1)
+            g = logits[a: a + rows].to(torch.float32, copy=True).sub_(lse[a: a + rows, None]).exp_().mul_(sc)  # softmax * scale
+            if eps:
+                g.sub_(sc * (eps / logits.shape[1]))
+            g.scatter_add_(1, safe[a: a + rows, None], sc * -(1.0 - eps))
+            out[a: a + rows] = g
+        return out, None, None, None
 
 
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int, eps: float = 0.0) -> torch.Tensor:
