@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 Criterion = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]  # (logits, target, pad, eps) -> loss
 
@@ -54,6 +55,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return (per_row * keep).sum() / n
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         logits, lse, safe, keep, n = ctx.saved_tensors
         eps, rows = ctx.eps, ctx.rows

@@ -62,6 +62,7 @@ class TrainConfig:
     ema: float = 0.0  # > 0: also keep an exponential moving average of the weights; the better on valid is kept
     subword_dropout: float = 0.0  # translation: per epoch, cut each word in two with this probability (see split_words)
     both_directions: bool = False  # translation: also train on every pair reversed (target -> source), see Batcher
+    max_pair_tokens: int = 0  # translation, > 0: leave out pairs with a side longer than this many tokens
 
 
 def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
@@ -157,6 +158,12 @@ class Batcher:
                 # tag is needed; the reversed pairs give the shared embeddings and encoder more signal.
                 self.texts = self.texts + [(t, s) for s, t in self.texts]
             self.pairs = self._encode(tok.encode_batch)
+            if cfg.max_pair_tokens:
+                # Long pairs (game texts: item descriptions, story paragraphs) cost a batch many tokens for few
+                # sentences, and the split this model is judged on is short sentences.
+                kept = [i for i, (s, t) in enumerate(self.pairs) if max(len(s), len(t)) <= cfg.max_pair_tokens]
+                self.texts = [self.texts[i] for i in kept]
+                self.pairs = [self.pairs[i] for i in kept]
         else:
             self.stream = torch.tensor(tok.encode(data_mod.load_text(cfg.data_dir, "train")), dtype=torch.long)
         self.window = min(cfg.lm_window, max_len - 1)

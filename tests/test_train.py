@@ -211,6 +211,22 @@ def test_both_directions_adds_every_pair_reversed(tmp_path, data_dir):
     assert sum(len(b) for b in both._epoch(0)[1]) == 2 * n  # an epoch covers both directions
 
 
+def test_max_pair_tokens_leaves_out_the_long_pairs_only(tmp_path, data_dir):
+    from model.tokenizer import Tokenizer
+    from model.train import Batcher
+
+    train(cfg(tmp_path / "t", data_dir, "translate", steps=1))  # a tokenizer for the data
+    tok = Tokenizer.load(tmp_path / "t" / "translate" / "tokenizer.json")
+    every = Batcher(cfg(tmp_path, data_dir, "translate"), tok, 64)
+    longest = [max(len(s), len(t)) for s, t in every.pairs]
+    cap = sorted(longest)[len(longest) // 2]  # about half of the pairs are longer
+    capped = Batcher(cfg(tmp_path, data_dir, "translate", max_pair_tokens=cap), tok, 64)
+    assert 0 < len(capped.pairs) < len(every.pairs)
+    assert capped.pairs == [p for p, n in zip(every.pairs, longest) if n <= cap]  # the rest, in order
+    assert capped.texts == [t for t, n in zip(every.texts, longest) if n <= cap]  # re-encoding sees the same
+    assert sum(len(b) for b in capped._epoch(0)[1]) == len(capped.pairs)
+
+
 def test_train_step_benchmark_times_each_dropout_and_optimizer_variant():
     from model.bench_train_step import VARIANTS, bench
     from model.transformer import Dropout, FeedForward, MultiHeadAttention
