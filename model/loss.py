@@ -39,8 +39,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         rows = max(1, _CHUNK_BYTES // (4 * vocab))
         keep = target != pad  # (N,)
         safe = target.masked_fill(~keep, 0)
-        lse = torch.empty(n_rows)  # (N,) log-sum-exp of each row
-        per_row = torch.empty(n_rows)  # (N,) the loss of each row
+        lse = logits.new_empty(n_rows, dtype=torch.float32)  # (N,) log-sum-exp of each row
+        per_row = logits.new_empty(n_rows, dtype=torch.float32)  # (N,) the loss of each row
         for a in range(0, n_rows, rows):
             x = logits[a: a + rows].to(torch.float32, copy=True)  # (r, V); a copy also of fp32 logits
             m = x.amax(-1)
