@@ -7,13 +7,13 @@ mapping, unmapped when freed; either way the next step's tensors fault their pag
 `python -m model.bench_train_step --pairs 90 --threads 2`: see README (the page faults were ~15% of a step).
 
 `keep_freed_memory()` pins the thresholds for the rest of the process: blocks up to 32 MiB (glibc's largest
-mmap threshold on 64-bit) come from the heap, and the heap is not trimmed. The memory a process holds is then
-its peak, which for training is what it needs anyway. It does nothing where malloc is not glibc's.
+mmap threshold on 64-bit) come from the heap, and the heap is trimmed only when 2 GiB are free at its top. The
+memory a process holds is then about its peak, which for training is what it needs anyway. It does nothing
+off glibc; under a preloaded allocator (jemalloc, tcmalloc) glibc accepts the settings but they do not apply.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import platform
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's <malloc.h>
@@ -24,6 +24,6 @@ def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory (see the module docstring). True if it was set."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = ctypes.CDLL("libc.so.6")
     settings = {M_MMAP_THRESHOLD: MMAP_THRESHOLD_MAX, M_TRIM_THRESHOLD: 2**31 - 1, M_TOP_PAD: 64 << 20}
     return all(libc.mallopt(param, value) == 1 for param, value in settings.items())

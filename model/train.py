@@ -161,6 +161,8 @@ class Batcher:
             if cfg.max_pair_tokens:
                 # Long pairs (game texts: item descriptions, story paragraphs) cost a batch many tokens for few
                 # sentences, and the valid/test sentences are short. Measured with 30: no gain (README), so off.
+                # Lengths are those of the base segmentation after truncation to max_len (subword_dropout's
+                # resegmented pairs may come out longer; a cap >= max_len leaves nothing out).
                 kept = [i for i, (s, t) in enumerate(self.pairs) if max(len(s), len(t)) <= cfg.max_pair_tokens]
                 self.texts = [self.texts[i] for i in kept]
                 self.pairs = [self.pairs[i] for i in kept]

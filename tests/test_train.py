@@ -266,7 +266,8 @@ def test_fused_loss_equals_torch_cross_entropy_in_value_and_gradient(dtype, eps,
     (ref, g_ref), (got, g_got) = grads
     assert g_got.dtype == dtype
     assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
-    tol = 1e-7 if dtype == torch.float32 else 1e-3 * g_ref.float().abs().max()
+    # fp32: a few ulps of the largest entry; bf16: one rounding of the largest entry may flip (2^-7 of it)
+    tol = (1e-6 if dtype == torch.float32 else 2**-7) * g_ref.float().abs().max()
     assert (g_got.float() - g_ref.float()).abs().max() <= tol
     assert g_got[::5].abs().max() == 0
 
