@@ -66,7 +66,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         out = torch.empty_like(logits)
         for a in range(0, logits.shape[0], rows):
             sc = scale[a: a + rows, None]  # (r, 1)
-            g = logits[a: a + rows].to(torch.float32, copy=True).sub_(lse[a: a + rows, None]).exp_().mul_(sc)  # softmax * scale
+            g = logits[a: a + rows].to(torch.float32, copy=True)  # (r, V)
+            g.sub_(lse[a: a + rows, None]).exp_().mul_(sc)  # softmax * scale
             if eps:
                 g.sub_(sc * (eps / logits.shape[1]))
             g.scatter_add_(1, safe[a: a + rows, None], sc * -(1.0 - eps))
