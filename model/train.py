@@ -36,6 +36,9 @@ from model.tokenizer import Tokenizer
 from model.transformer import build_model, count_parameters
 
 
+DECAYS = ("cosine", "linear")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     task: str = "translate"
@@ -49,6 +52,8 @@ class TrainConfig:
     lm_window: int = 128  # LM: tokens per window (after bos)
     lr: float = 1e-3
     warmup: int = 200
+    decay: str = "cosine"  # the LR after warmup: "cosine" or "linear" down to min_lr * lr at `steps`
+    min_lr: float = 0.05  # the LR at the end of the schedule, as a fraction of lr
     weight_decay: float = 0.01
     label_smoothing: float = 0.1
     clip: float = 1.0
@@ -64,9 +69,15 @@ class TrainConfig:
     both_directions: bool = False  # translation: also train on every pair reversed (target -> source), see Batcher
     max_pair_tokens: int = 0  # translation, > 0: leave out pairs with a side longer than this many tokens
 
+    def __post_init__(self) -> None:
+        if self.decay not in DECAYS:
+            raise ValueError(f"decay={self.decay!r}: choose one of {DECAYS}")
+        if not 0.0 <= self.min_lr <= 1.0:
+            raise ValueError(f"min_lr={self.min_lr} must be a fraction of lr in [0, 1]")
+
 
 def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
-    """Linear warmup over the first `warmup` optimizer steps, then cosine decay to 5% by `steps`.
+    """Linear warmup over the first `warmup` optimizer steps, then a cosine or linear decay to min_lr * lr by `steps`.
     decay_step (schedule_step) places the decay on the clock; warmup always counts real steps: a warmup
     cut short by a busy machine lets the first large updates wreck the young model (measured: valid chrF
     13.4 vs 17.8 at the same step count)."""
@@ -75,7 +86,8 @@ def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
     if decay_step is not None:
         step = max(step, decay_step)
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+    left = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1.0 - progress
+    return cfg.lr * (cfg.min_lr + (1.0 - cfg.min_lr) * left)
 
 
 def schedule_step(step: int, elapsed: float, cfg: TrainConfig) -> int:
@@ -429,8 +441,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 # 10 for the LM (which meets its target with room to spare); figures and commands in README.
 RECIPES: dict[str, dict] = {
     "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=10000,
-                      time_budget_s=1140, batch_tokens=3000, lr=2e-3, warmup=400, vocab_size=8000,
-                      eval_every=1000, bf16=True, ema=0.999),
+                      time_budget_s=1140, batch_tokens=3000, lr=2e-3, warmup=400, weight_decay=0.2,
+                      vocab_size=8000, eval_every=1000, bf16=True, ema=0.999),
     "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=3000,
                      time_budget_s=600, lm_batch=24, lm_window=128, lr=1.5e-3, warmup=200, vocab_size=4000,
                      eval_every=500, bf16=True, ema=0.999),

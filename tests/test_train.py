@@ -75,6 +75,19 @@ def test_schedule_warms_up_then_decays():
     assert lr_at(50, c) < lr_at(10, c) and lr_at(99, c) >= 0.05e-3 - 1e-12
 
 
+def test_linear_decay_reaches_min_lr_in_a_straight_line():
+    c = TrainConfig(steps=110, warmup=10, lr=1e-3, decay="linear", min_lr=0.0)
+    assert lr_at(10, c) == pytest.approx(1e-3) and lr_at(60, c) == pytest.approx(0.5e-3)
+    assert lr_at(35, c) - lr_at(36, c) == pytest.approx(lr_at(85, c) - lr_at(86, c))  # the same step all the way
+    assert lr_at(110, c) == 0.0 and lr_at(500, c) == 0.0
+    assert lr_at(110, TrainConfig(steps=110, warmup=10, lr=1e-3, decay="linear", min_lr=0.1)) == pytest.approx(1e-4)
+    assert lr_at(110, TrainConfig(steps=110, warmup=10, lr=1e-3)) == pytest.approx(0.05e-3)  # cosine to 5%
+    with pytest.raises(ValueError, match="decay"):
+        TrainConfig(decay="step")
+    with pytest.raises(ValueError, match="min_lr"):
+        TrainConfig(min_lr=1.5)
+
+
 def test_time_budget_schedule_follows_the_clock():
     from model.train import schedule_step
 
