@@ -2,8 +2,9 @@
 
 AdamW with linear warmup and a cosine (or linear) decay over --steps, label smoothing, gradient clipping,
 a wall-clock budget (stops early and saves), validation during training, checkpoints with exact --resume,
-a progress bar, and `loss_curve.png` + `metrics.json` beside the checkpoint. Same seed, same result: the batch order
-is a function of (seed, epoch), dropout RNG state is checkpointed, and the schedule depends on steps only.
+a progress bar, and `loss_curve.png` + `metrics.json` beside the checkpoint. Same seed, same result: the
+batch order is a function of (seed, epoch), dropout RNG state is checkpointed, and the schedule depends on
+steps only.
 
 Translation batches are built by tokens (length-bucketed), so padding waste stays small; LM batches are
 random windows of the token stream, each starting with bos.
@@ -77,10 +78,10 @@ class TrainConfig:
 
 
 def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
-    """Linear warmup over the first `warmup` optimizer steps, then a cosine or linear decay to min_lr * lr by `steps`.
-    decay_step (schedule_step) places the decay on the clock; warmup always counts real steps: a warmup
-    cut short by a busy machine lets the first large updates wreck the young model (measured: valid chrF
-    13.4 vs 17.8 at the same step count)."""
+    """Linear warmup over the first `warmup` optimizer steps, then a cosine or linear decay to min_lr * lr
+    by `steps`. decay_step (schedule_step) places the decay on the clock; warmup always counts real steps:
+    a warmup cut short by a busy machine lets the first large updates wreck the young model (measured: valid
+    chrF 13.4 vs 17.8 at the same step count)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     if decay_step is not None:
