@@ -38,7 +38,7 @@ DEPLOY = Path(__file__).resolve().parent
 SERVE_CONFIG = DEPLOY / "serve_config.yaml"
 TEMPLATE = DEPLOY / "k8s" / "rayservice.template.yaml"
 PLACEHOLDER = "__SERVE_CONFIG_V2__"
-KVSERVE_IMPORT_PATH = "serving.app:build_app"
+KVSERVE_IMPORT_PATH = "serving.server.app:build_app"
 INGRESS = "ingress"
 
 

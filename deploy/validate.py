@@ -8,7 +8,7 @@ check here therefore treats an unknown key as an error:
   `additionalProperties: false` injected into every object schema that lists `properties` and does not
   say `x-kubernetes-preserve-unknown-fields`; their `metadata` as a strict ObjectMeta;
 - serveConfigV2: Ray's `ServeDeploySchema`, a walk that reports keys Ray's schema would ignore, and
-  kvserve's own `AppArgs` (serving/config.py);
+  kvserve's own `AppArgs` (serving/server/config.py);
 - KubeRay facts no schema states (`check_rayservice`): upgrade strategy, head without replicas, GPU
   tolerations, requests and limits, autoscaling capacity, Ray version equal to the images'.
 
@@ -161,7 +161,7 @@ def validate_serve_config(text: str) -> list[str]:
                     AutoscalingConfig.model_validate(dep["autoscaling_config"])
                 except ValidationError as e:
                     errors.append(f"serveConfigV2: deployment {dep['name']!r} autoscaling_config: {e}")
-        if app.get("import_path") == "serving.app:build_app":
+        if app.get("import_path") == "serving.server.app:build_app":
             errors += _kvserve_args_errors(app)
     return errors
 
@@ -169,7 +169,7 @@ def validate_serve_config(text: str) -> list[str]:
 def _kvserve_args_errors(app: Doc) -> list[str]:
     from pydantic import ValidationError
 
-    from serving.config import AppArgs, check_deployments
+    from serving.server.config import AppArgs, check_deployments
 
     try:
         args = AppArgs.model_validate(app.get("args") or {})

@@ -12,7 +12,7 @@ listed file present and unchanged, no unlisted file, manifest contracts equal to
 module derives from the model config), and checking a graph's inputs/outputs against its contract.
 
 TORCH-FREE: serving imports this. Does not own: exporting (export/onnx_export.py), sessions
-(serving/runtime.py).
+(serving/engine/runtime.py).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ and the full-size check on the test split:
 
     python -m export.ctranslate2_convert CT2_DIR CHECKPOINT --sentences 200     # prints JSON
 
-Does not own: benchmarks (export/bench_step.py, loadtest/).
+Does not own: benchmarks (bench/decode_step.py, loadtest/).
 """
 from __future__ import annotations
 

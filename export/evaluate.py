@@ -5,7 +5,7 @@ decoder starts from bos; LM: a prompt starts with bos), greedy decoding over any
 ModelRuntime interface (`encode`/`step`, so PyTorch and ORT decode through the same loop), bits per
 character by teacher-forced single-token steps, and `evaluate_bundle` (chrF/BLEU or bits per char).
 
-TORCH-FREE. Does not own: the runtime (serving/runtime.py), data splits (model/data.py), the PyTorch
+TORCH-FREE. Does not own: the runtime (serving/engine/runtime.py), data splits (model/data.py), the PyTorch
 evaluation of checkpoints (model/).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ DEFAULT_DATA_DIR = "artifacts/data"
 
 
 class StepRuntime(Protocol):
-    """What greedy decoding needs: serving.runtime.ModelRuntime, and export.parity.TorchRuntime."""
+    """What greedy decoding needs: serving.engine.runtime.ModelRuntime, and export.parity.TorchRuntime."""
     is_encoder_decoder: bool
     n_slots: int
     max_len: int
@@ -149,7 +149,7 @@ def evaluate_bundle(bundle_dir: str | Path, split: str = "test", limit: int | No
     from export.bundle import load_bundle
     from model import data
     from model.tokenizer import Tokenizer
-    from serving.runtime import ModelRuntime
+    from serving.engine.runtime import ModelRuntime
 
     bundle = load_bundle(bundle_dir)
     tok = Tokenizer.load(bundle.tokenizer_path)

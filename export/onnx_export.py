@@ -20,7 +20,7 @@ Graph design (see DESIGN.md "export/"):
   cached length. The `small` LM, 28 decode rows at write_pos 100, ORT CPU 1 thread: the live-prefix Slice
   copies were 26% of decoder.onnx's step (ORT profiler). Its kernel accepts a batch of several rows with
   more than one new token only when no row has a cache yet (a first prompt, right-padded);
-  serving/runtime.py splits other prefill calls accordingly.
+  serving/engine/runtime.py splits other prefill calls accordingly.
 """
 from __future__ import annotations
 

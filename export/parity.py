@@ -9,7 +9,7 @@ data:
 
     python -m export.parity BUNDLE CHECKPOINT --sentences 200     # prints JSON
 
-Does not own: the runtime (serving/runtime.py), evaluation metrics (export/evaluate.py).
+Does not own: the runtime (serving/engine/runtime.py), evaluation metrics (export/evaluate.py).
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def real_parity(bundle_dir: Path, checkpoint_dir: Path, n: int, data_dir: str, b
     from export.bundle import load_bundle
     from model import data
     from model.checkpoint import load_checkpoint
-    from serving.runtime import ModelRuntime
+    from serving.engine.runtime import ModelRuntime
 
     bundle, ckpt = load_bundle(bundle_dir), load_checkpoint(checkpoint_dir)
     tok = ckpt.tokenizer

@@ -17,7 +17,7 @@ the logits' dtype (24 MB in bf16; 49 MB, and so still a fresh mapping, when trai
 
 One difference from torch: a batch whose targets are all pad gives a loss of 0 and zero gradients, not NaN.
 
-Measured (`python -m model.bench_train_step --pairs 90 --threads 2`, variant "fused loss"): see README.
+Measured (`python -m bench.train_step --pairs 90 --threads 2`, variant "fused loss"): see README.
 Owns only the loss; which positions count (pad) and the smoothing come from model/train.py.
 """
 from __future__ import annotations

@@ -252,7 +252,7 @@ def loss_on(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], cfg: TrainC
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
     """AdamW, weight decay on matrices only; fused: one kernel for all parameters (3.5 vs 10 ms per step on
-    the CPU, `python -m model.bench_train_step`)."""
+    the CPU, `python -m bench.train_step`)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

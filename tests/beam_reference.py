@@ -2,7 +2,7 @@
 
 Every step recomputes each live hypothesis from scratch (bos + its tokens, one decoder call over the whole
 prefix with a fresh cache), so no KV reordering is involved: it checks the engine's slot copies too. It
-implements the spec written in serving/beam.py's docstring: summed log-probabilities (float64), the best
+implements the spec written in serving/engine/beam.py's docstring: summed log-probabilities (float64), the best
 k * (1 + number of end ids) candidates per step, end candidates of rank < k finish, stop once k have
 finished or after max_new_tokens steps, rank by score / length ** length_penalty (length including the end
 token), returned tokens without it.

@@ -3,12 +3,12 @@
 - `bundles`: tiny random bundles (translate, generate) exported once per session with export's own functions.
 - `ray_cluster`: ONE local Ray instance per test session for tests/test_server_integration.py and the
   reliability suites (test_reliability.py, test_fuzz.py, test_security.py). Each suite deploys its own Serve
-  application with `serving.serve_cli.start`, which replaces the application deployed before (a Serve config
+  application with `serving.server.launch.start`, which replaces the application deployed before (a Serve config
   is declarative), so suites take turns on one cluster instead of paying for a new one each. Serve's HTTP
   port is chosen once here, because Serve keeps the port it started with. Before Ray starts, the
   environment variable `API_KEY_ENV` gets a fresh random key: every Ray worker inherits it, the way a
   Kubernetes Secret reaches a pod's environment, and the reliability application reads it (`api_key_env`);
-  and, as `serving.serve_cli.start` does, Ray's proxy gets serving/proxy_guard.py's middleware.
+  and, as `serving.server.launch.start` does, Ray's proxy gets serving/server/proxy_guard.py's middleware.
   Nothing here starts unless a test asks for it, so the default (fast) suite never starts Ray.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ def bundles(tmp_path_factory) -> Path:
 def ray_cluster():
     """{"port": Serve's HTTP port, "api_key": the key in API_KEY_ENV}; Serve and Ray stop at the session's end."""
     import ray
-    from serving.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
-    from serving.serve_cli import stop
+    from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
+    from serving.server.launch import stop
 
     key = os.environ.setdefault(API_KEY_ENV, "kvs-test-" + secrets.token_urlsafe(24))
     os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # as serve_cli.start does: Ray's proxy refuses bad headers

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.engine import Engine
-from serving.types import FinishReason, GenerationRequest, TokenEvent
+from serving.engine.engine import Engine
+from serving.engine.types import FinishReason, GenerationRequest, TokenEvent
 
 
 async def collect(handle) -> list[TokenEvent]:

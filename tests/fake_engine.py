@@ -1,4 +1,4 @@
-"""A scripted stand-in for serving.engine.Engine, for unit tests of the HTTP/service layers (not the engine).
+"""A scripted stand-in for serving.engine.engine.Engine, for unit tests of the HTTP/service layers (not the engine).
 
 It follows the engine interface (submit / cancel / run_batch / add_observer / snapshot, RequestHandle
 iteration, stats to observers) and lets a test dictate what the engine does: the reply tokens, a delay per
@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from model.tokenizer import Tokenizer
-from serving.types import (AdmissionRejected, FinishReason, GenerationRequest, InvalidRequest, RequestStats,
+from serving.engine.types import (AdmissionRejected, FinishReason, GenerationRequest, InvalidRequest, RequestStats,
                            StepStats, TokenEvent)
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, goodbye world. STOP here",

@@ -84,7 +84,7 @@ def tiny_bundle(base: Path, task: str, variant: str = "fp32") -> Path:
     (read-only: copy it with copy_bundle before changing anything). All variants of a task share one
     checkpoint."""
     from export.bundle import Variant
-    from export.cli import build_bundle
+    from kvserve.export import build_bundle
 
     key = (task, variant)
     if key not in _BUNDLES or not _BUNDLES[key].is_dir():

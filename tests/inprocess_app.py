@@ -1,6 +1,6 @@
 """The real HTTP API over real engines, in-process: for the fast fuzzing and security tests.
 
-`InProcessServer` builds serving/api.py's app exactly as the ingress does, over `ModelService`s that wrap
+`InProcessServer` builds serving/server/api.py's app exactly as the ingress does, over `ModelService`s that wrap
 real `Engine`s (ONNX Runtime sessions) of the tiny bundles of tests/engine_bundle.py, and runs it with its
 engines on an event loop in a background thread, so that synchronous tests (hypothesis `@given`) can send
 requests through httpx's ASGI transport with `request(...)`. No Ray: the Ray path is in the slow suites.
@@ -16,12 +16,12 @@ import httpx
 from engine_bundle import cached_bundle
 from export.bundle import load_bundle
 from model.tokenizer import Tokenizer
-from serving.api import create_app
-from serving.config import Limits, LiveKnobs, ModelSpec, StaticEngineKnobs, engine_config
-from serving.engine import Engine
-from serving.metrics import Recorder
-from serving.service import ModelService
-from test_api import LocalBackend  # serving.api.Backend over in-process ModelServices
+from serving.server.api import create_app
+from serving.server.config import Limits, LiveKnobs, ModelSpec, StaticEngineKnobs, engine_config
+from serving.engine.engine import Engine
+from serving.server.metrics import Recorder
+from serving.server.service import ModelService
+from test_api import LocalBackend  # serving.server.api.Backend over in-process ModelServices
 
 SLOTS = 4
 

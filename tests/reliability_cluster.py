@@ -106,7 +106,7 @@ class RelApp:
     def ensure_running(self) -> None:
         """Deploy the application again if another suite replaced it (a Serve config is declarative)."""
         from ray import serve
-        from serving.serve_cli import start
+        from serving.server.launch import start
 
         status = serve.status().applications.get(APP)
         if status is None or status.status.value != "RUNNING":
@@ -114,7 +114,7 @@ class RelApp:
 
 
 def deploy(art: Path, port: int, api_key: str, key_env: str) -> RelApp:
-    from serving.serve_cli import prepare_config, start
+    from serving.server.launch import prepare_config, start
 
     write_long_bundle(art)
     path = art / "reliability_serve_config.yaml"

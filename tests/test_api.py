@@ -1,6 +1,6 @@
 """Unit tests of the HTTP API, its error mapping, stop strings, config and metrics aggregation.
 
-The model side is serving.service.ModelService (real) over tests/fake_engine.FakeEngine (scripted), served
+The model side is serving.server.service.ModelService (real) over tests/fake_engine.FakeEngine (scripted), served
 in-process through httpx's ASGI transport. Ray and the real engine are in test_server_integration.py.
 """
 from __future__ import annotations
@@ -17,19 +17,19 @@ import pytest
 import yaml
 
 from fake_engine import FakeEngine, tiny_tokenizer
-from serving.api import create_app
-from serving.config import AppArgs, Limits, LiveKnobs, load_serve_config
-from serving.metrics import Recorder, aggregate_exposition
-from serving.service import ModelService, StreamPiece, TextRequest, TextResult
-from serving.stops import StopMatcher
-from serving.types import SamplingParams
+from serving.server.api import create_app
+from serving.server.config import AppArgs, Limits, LiveKnobs, load_serve_config
+from serving.server.metrics import Recorder, aggregate_exposition
+from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult
+from serving.server.stops import StopMatcher
+from serving.engine.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLY = "hello world, goodbye world. STOP here"
 
 
 class LocalBackend:
-    """serving.api.Backend over in-process ModelServices."""
+    """serving.server.api.Backend over in-process ModelServices."""
 
     def __init__(self, services: dict[str, ModelService], recorder: Recorder) -> None:
         self.services, self.recorder = services, recorder
@@ -332,7 +332,7 @@ def test_serve_config_file_is_valid(tmp_path):
     raw = load_serve_config(ROOT / "deploy" / "serve_config.yaml", artifacts_dir=tmp_path)
     app = raw["applications"][0]
     args = AppArgs.model_validate(app["args"])
-    assert app["import_path"] == "serving.app:build_app" and args.artifacts_dir == tmp_path.resolve()
+    assert app["import_path"] == "serving.server.app:build_app" and args.artifacts_dir == tmp_path.resolve()
     names = {d["name"] for d in app["deployments"]}
     assert names == {"ingress", *(m.name for m in args.models)}
     for d in app["deployments"]:
@@ -395,7 +395,7 @@ def test_promtool_clean_on_every_declared_metric():
         pytest.skip("promtool not installed (apt-get install prometheus)")
     r = Recorder("prometheus")
     labels = {"model": "m", "endpoint": "/v1/generate", "status": "200", "reason": "queue_full"}
-    from serving.metrics import METRICS, Kind
+    from serving.server.metrics import METRICS, Kind
     for d in METRICS.values():
         lab = {k: labels[k] for k in d.labels}
         {Kind.COUNTER: r.inc, Kind.HISTOGRAM: r.observe, Kind.GAUGE: r.set}[d.kind](d.name, lab, 1.0)
@@ -404,8 +404,8 @@ def test_promtool_clean_on_every_declared_metric():
 
 # -- kvserve serve (no Ray started) ----------------------------------------------------------------------------
 def test_serve_cli_refuses_missing_bundles(tmp_path):
-    from serving.cli import build_parser
-    from serving.serve_cli import prepare_config
+    from kvserve.cli import build_parser
+    from serving.server.launch import prepare_config
 
     args = build_parser().parse_args(["serve", "--artifacts", str(tmp_path), "--port", "9000"])
     assert args.func.__name__ == "_cmd_serve" and args.port == 9000
@@ -414,7 +414,7 @@ def test_serve_cli_refuses_missing_bundles(tmp_path):
 
 
 def test_serving_never_imports_torch():
-    code = ("import sys, serving.app, serving.api, serving.serve_cli, serving.metrics; "
+    code = ("import sys, serving.server.app, serving.server.api, serving.server.launch, serving.server.metrics; "
             "assert 'torch' not in sys.modules, 'serving imported torch'")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -422,8 +422,8 @@ def test_serving_never_imports_torch():
 
 # -- request-level batching logic (the @serve.batch path itself runs in the integration suite) -------------------
 async def test_run_batch_isolated_fails_only_the_bad_request(tok):
-    from serving.app import run_batch_isolated
-    from serving.types import GenerationRequest, InvalidRequest
+    from serving.server.app import run_batch_isolated
+    from serving.engine.types import GenerationRequest, InvalidRequest
 
     engine = FakeEngine(tok, REPLY)  # decoder-only: beam_size > 1 is invalid
     ok = [GenerationRequest(f"r{i}", [1, 5], SamplingParams(max_new_tokens=3)) for i in range(2)]
@@ -436,7 +436,7 @@ async def test_run_batch_isolated_fails_only_the_bad_request(tok):
 
 
 async def test_request_level_mode_maps_engine_errors(tok):
-    from serving.app import run_batch_isolated
+    from serving.server.app import run_batch_isolated
 
     engine = FakeEngine(tok, REPLY)
     service = ModelService("generate", engine, tok, 40)
@@ -449,7 +449,7 @@ async def test_request_level_mode_maps_engine_errors(tok):
     service.batch_runner = runner
     r = await service.complete(TextRequest("hi", SamplingParams(max_new_tokens=4), deadline_wall=9e18))
     assert r.completion_tokens == 4 and r.text == tok.decode(tok.encode(REPLY)[:4])
-    from serving.service import ErrorKind, ServiceError
+    from serving.server.service import ErrorKind, ServiceError
     with pytest.raises(ServiceError) as e:
         await service.complete(TextRequest("hi", SamplingParams(beam_size=2), deadline_wall=9e18))
     assert e.value.kind == ErrorKind.INVALID and e.value.field == "beam_size"

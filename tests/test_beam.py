@@ -1,4 +1,4 @@
-"""Beam search: serving/beam.py alone, and the engine's beam search against a reference over PyTorch.
+"""Beam search: serving/engine/beam.py alone, and the engine's beam search against a reference over PyTorch.
 
 The engine runs each beam as a KV slot in the continuous batch and reorders beams by slot copies; the
 reference (tests/beam_reference.py) recomputes every hypothesis from scratch. They must agree on every
@@ -18,9 +18,9 @@ import pytest
 from beam_reference import reference_beam_search
 from engine_bundle import cached_bundle
 from engine_util import outcome, run_all, run_alone
-from serving.beam import BeamSearch
-from serving.engine import Engine, EngineConfig
-from serving.types import FinishReason, GenerationRequest, SamplingParams
+from serving.engine.beam import BeamSearch
+from serving.engine.engine import Engine, EngineConfig
+from serving.engine.types import FinishReason, GenerationRequest, SamplingParams
 
 EOS = 2
 
@@ -132,7 +132,7 @@ async def test_engine_beam_search_equals_the_reference_alone_and_batched_with_ot
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KVSERVE_BEAM_CHECKPOINT"), reason="set KVSERVE_BEAM_CHECKPOINT")
 async def test_trained_model_beam_search_equals_the_reference(tmp_path):
-    from export.cli import build_bundle
+    from kvserve.export import build_bundle
     from export.evaluate import source_ids
     from model.checkpoint import load_checkpoint
     from model.data import DEFAULT_DATA_DIR, load_pairs

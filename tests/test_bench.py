@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.bench import SECTIONS, Artifacts, bench
-from loadtest.bench_compute import flops_per_token, matmul_weights_per_token, peak_gemm, workload_flops
-from loadtest.bench_doc import http_verdict, render, t
-from loadtest.bench_http import HttpPlan, bench_serve_config, summarize
-from loadtest.bench_translate import RunResult, identical_share, load_sentences
+from bench.cli import SECTIONS, Artifacts, bench
+from bench.compute import flops_per_token, matmul_weights_per_token, peak_gemm, workload_flops
+from bench.report import http_verdict, render, t
+from bench.http import HttpPlan, bench_serve_config, summarize
+from bench.translate import RunResult, identical_share, load_sentences
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_LM = {"arch": "decoder_only", "d_model": 256, "n_heads": 4, "n_encoder_layers": 0, "n_decoder_layers": 4,
@@ -187,7 +187,7 @@ def test_peak_gemm_measures_every_backend():
 
 # -- config, artifacts, inputs ----------------------------------------------------------------------------
 def test_bench_serve_config_keeps_the_shipped_config_but_one_model_and_is_valid(tmp_path):
-    from serving.config import validate_serve_config
+    from serving.server.config import validate_serve_config
 
     bundle = tmp_path / "bundles" / "generate"
     bundle.mkdir(parents=True)
@@ -240,7 +240,7 @@ def test_run_result_figures_and_identical_share():
 
 
 def test_cli_registers_bench():
-    from serving.cli import build_parser
+    from kvserve.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--quick", "--sections", "http", "compute"])
     assert args.quick and args.sections == ["http", "compute"] and args.out == "docs/benchmarks.md"
@@ -252,7 +252,7 @@ def test_quick_bench_runs_every_section_on_tiny_bundles(tmp_path):
     import torch
 
     from export.bundle import Variant
-    from export.cli import build_bundle
+    from kvserve.export import build_bundle
     from tests.helpers_tiny import tiny_checkpoint
 
     torch.set_num_threads(1)
@@ -298,7 +298,7 @@ def test_loadtest_min_tokens_varies_lengths_without_changing_texts_or_seeds():
 
 
 def test_tokens_per_step_comes_from_exact_counters():
-    from loadtest.bench_http import tokens_per_step
+    from bench.http import tokens_per_step
     from loadtest.promscrape import Snapshot, parse_metrics
 
     def snap(tokens: float, steps: float, wrong_sum: float) -> Snapshot:
@@ -311,7 +311,7 @@ def test_tokens_per_step_comes_from_exact_counters():
 
 
 def test_window_throughput_counts_only_what_completed_inside_the_window():
-    from loadtest.bench_http import window_throughput
+    from bench.http import window_throughput
     from loadtest.client import RequestRecord
 
     def rec(start: float, end: float, n: int, ok: bool = True) -> RequestRecord:

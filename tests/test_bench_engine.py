@@ -1,11 +1,11 @@
-"""serving/bench_engine.py: a short run on the tiny exported LM gives a complete, consistent report."""
+"""bench/engine.py: a short run on the tiny exported LM gives a complete, consistent report."""
 import json
 
 import numpy as np
 import pytest
 
 from engine_bundle import cached_bundle
-from serving.bench_engine import main
+from bench.engine import main
 
 
 def test_benchmark_runs_every_mode_on_the_same_workload_and_prints_a_table(tmp_path, capsys):

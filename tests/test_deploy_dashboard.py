@@ -2,7 +2,7 @@
 
 Prometheus scrapes Ray's metrics port (the PodMonitors), where Ray exports kvserve's metrics as
 ray_kvserve_* (ray.util.metrics adds the `ray_` prefix; a counter keeps a single `_total`). The fast tests
-check the dashboard against serving/metrics.py's definitions and Ray's own metric names; the slow test
+check the dashboard against serving/server/metrics.py's definitions and Ray's own metric names; the slow test
 runs a real Serve app and reads the names from a real scrape of the node's metrics endpoint.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ RAY_PREFIX = "ray_"
 
 
 def _declared_names() -> set[str]:
-    """What the Ray metrics port exports for serving/metrics.py's definitions."""
-    from serving.metrics import METRICS, Kind
+    """What the Ray metrics port exports for serving/server/metrics.py's definitions."""
+    from serving.server.metrics import METRICS, Kind
 
     names = set()
     for d in METRICS.values():
@@ -168,7 +168,7 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path) -> None:
     Ray, send traffic, and read the metric names off the node's metrics port, as the PodMonitor does."""
     import ray
 
-    from serving.serve_cli import prepare_config, start, stop
+    from serving.server.launch import prepare_config, start, stop
 
     gen = load("gen_rayservice")
     cfg = gen.image_serve_config(gen.load_serve_config(), gen.Variant.CPU)

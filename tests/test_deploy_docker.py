@@ -155,7 +155,7 @@ def _dockerignore() -> list[str]:
 
 def test_dockerignore_keeps_what_the_images_copy_and_drops_the_rest() -> None:
     lines = _dockerignore()
-    kept = ["pyproject.toml", "serving/config.py", "model/tokenizer.py", "export/contract.py",
+    kept = ["pyproject.toml", "serving/server/config.py", "model/tokenizer.py", "export/contract.py",
             "loadtest/config.py", "deploy/docker/requirements.py", "deploy/docker/serve_config.gpu.yaml",
             "artifacts/bundles/translate/manifest.json", "artifacts/bundles/generate/decoder.onnx.data"]
     dropped = [".venv/bin/python", ".git/HEAD", "artifacts/checkpoints/translate/model.safetensors",

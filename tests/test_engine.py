@@ -1,4 +1,4 @@
-"""serving/engine.py on tiny exported models (real ONNX Runtime sessions through serving/runtime.py).
+"""serving/engine/engine.py on tiny exported models (real ONNX Runtime sessions through serving/engine/runtime.py).
 
 The acceptance: requests batched continuously produce exactly the tokens they produce alone (greedy and
 seeded sampling); cancellation frees slots within one step; admission beyond the bound is rejected at once
@@ -13,8 +13,8 @@ import pytest
 from engine_bundle import cached_bundle
 from engine_util import collect, outcome, run_all, run_alone, tokens
 from model.decode import greedy_translate_ids
-from serving.engine import Engine, EngineConfig
-from serving.types import (AdmissionRejected, BatchingMode, EngineDead, FinishReason, GenerationRequest,
+from serving.engine.engine import Engine, EngineConfig
+from serving.engine.types import (AdmissionRejected, BatchingMode, EngineDead, FinishReason, GenerationRequest,
                            InvalidRequest, SamplingParams)
 
 V = 300
@@ -262,5 +262,5 @@ async def test_a_failing_runtime_fails_its_requests_then_the_engine_dies():
 def test_engine_needs_no_torch_at_import():
     import subprocess
     import sys
-    code = "import sys, serving.engine, serving.runtime; assert 'torch' not in sys.modules"
+    code = "import sys, serving.engine.engine, serving.engine.runtime; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

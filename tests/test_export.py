@@ -5,12 +5,12 @@ import onnx
 import pytest
 
 from export.bundle import load_bundle
-from export.cli import ExportError, build_bundle, register
+from kvserve.export import ExportError, build_bundle, register
 from export.evaluate import greedy_decode
 from export.parity import FP32_TOLERANCE, SYNTHETIC_BATCHES, TorchRuntime, lockstep, synthetic_inputs
 from export.variants import count_ops
 from model.checkpoint import load_checkpoint
-from serving.runtime import ModelRuntime
+from serving.engine.runtime import ModelRuntime
 from tests.helpers_tiny import checkpoint_of, tiny_bundle, tiny_checkpoint
 
 TASKS = ("translate", "generate")

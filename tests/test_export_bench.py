@@ -1,5 +1,5 @@
-"""export/bench_step.py on tiny bundles: it runs every backend and reports medians and ratios."""
-from export.bench_step import markdown, measure, run
+"""bench/decode_step.py on tiny bundles: it runs every backend and reports medians and ratios."""
+from bench.decode_step import markdown, measure, run
 from tests.helpers_tiny import checkpoint_of, tiny_bundle
 
 

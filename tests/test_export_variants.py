@@ -8,7 +8,7 @@ from export.evaluate import greedy_decode
 from export.parity import TorchRuntime, lockstep, synthetic_inputs
 from export.variants import check_fp16, count_ops, float_types
 from model.checkpoint import load_checkpoint
-from serving.runtime import ModelRuntime
+from serving.engine.runtime import ModelRuntime
 from tests.helpers_tiny import checkpoint_of, tiny_bundle
 
 

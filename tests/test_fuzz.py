@@ -6,7 +6,7 @@ chunked), wrong content types and methods, odd headers -- the answer is a 2xx or
 what is wrong (`{"error": {"type", "message", "field"}}`), never a 5xx, and the server stays healthy with
 no KV slot left in use.
 
-- Fast: the real API (serving/api.py) over real ModelServices and Engines of tiny bundles, in-process
+- Fast: the real API (serving/server/api.py) over real ModelServices and Engines of tiny bundles, in-process
   (tests/inprocess_app.py). FUZZ_EXAMPLES (env KVSERVE_FUZZ_EXAMPLES) examples per endpoint.
 - Slow: the same payloads over real HTTP against the reliability application on a real Ray Serve cluster
   (tests/reliability_cluster.py), plus malformed HTTP sent on a raw socket.
@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inprocess_app import InProcessServer
-from serving.config import Limits, LiveKnobs, StaticEngineKnobs
-from serving.schemas import CompletionRequest, GenerateRequest, TranslateRequest
+from serving.server.config import Limits, LiveKnobs, StaticEngineKnobs
+from serving.server.schemas import CompletionRequest, GenerateRequest, TranslateRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "60"))
@@ -264,10 +264,10 @@ def test_unparseable_bodies_say_why(server, raw, field, needle):
 
 
 def test_ray_proxy_guard_refuses_headers_ray_would_choke_on():
-    """Ray's proxy decodes x-request-id & co. as UTF-8 (a bare 500 otherwise): serving/proxy_guard.py says 400."""
+    """Ray's proxy decodes x-request-id & co. as UTF-8 (a bare 500 otherwise): serving/server/proxy_guard.py says 400."""
     import asyncio
 
-    from serving.proxy_guard import RayHeaderGuard
+    from serving.server.proxy_guard import RayHeaderGuard
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

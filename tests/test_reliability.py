@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving.api_stream import DEADLINE_GRACE_S
+from serving.server.stream import DEADLINE_GRACE_S
 
 from reliability_cluster import (DEADLINE_S, engine_snapshot, metric, percentile, replica_infos, report,
                                  rss_mb, wait_for)
@@ -84,7 +84,7 @@ def counts(outcomes: list[Outcome]) -> dict[str, int]:
 
 # -- fast: a model that stops answering ------------------------------------------------------------------------
 class SilentModel:
-    """serving.api.Backend whose model answers `pieces` stream items and then never again (a replica that
+    """serving.server.api.Backend whose model answers `pieces` stream items and then never again (a replica that
     hangs), to show that the API's own deadline still ends every request."""
 
     def __init__(self, pieces: int) -> None:
@@ -97,7 +97,7 @@ class SilentModel:
         await asyncio.Event().wait()
 
     async def stream(self, model: str, req: Any) -> AsyncIterator[Any]:
-        from serving.service import StreamPiece
+        from serving.server.service import StreamPiece
         for i in range(self.pieces):
             yield StreamPiece("tok ", i)
         await asyncio.Event().wait()
@@ -111,9 +111,9 @@ class SilentModel:
 
 @pytest.mark.parametrize("pieces,stream,status", [(0, False, 504), (0, True, 504), (2, True, 200)])
 async def test_a_silent_model_cannot_hold_a_request_past_its_deadline(pieces, stream, status):
-    from serving.api import create_app
-    from serving.config import Limits
-    from serving.metrics import Recorder
+    from serving.server.api import create_app
+    from serving.server.config import Limits
+    from serving.server.metrics import Recorder
 
     app = create_app(SilentModel(pieces), Limits(request_timeout_s=0.2), Recorder("prometheus"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
@@ -374,7 +374,7 @@ def test_graceful_drain_finishes_in_flight_and_refuses_new(rel):
     """`serve_cli.drain` (what `kvserve serve` runs on Ctrl-C/SIGTERM before deleting the app): requests in
     flight (plain and streamed) complete in full; new ones get 503 + Retry-After at once; readiness turns
     503 while liveness stays 200; `draining: false` resumes."""
-    from serving.serve_cli import drain, start, with_draining
+    from serving.server.launch import drain, start, with_draining
 
     body = LONG
     sync = rel.client(timeout=CLIENT_TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""serving/runtime.py on tiny bundles: in-place KV update, slot copies, argument checks, provider choice."""
+"""serving/engine/runtime.py on tiny bundles: in-place KV update, slot copies, argument checks, provider choice."""
 import subprocess
 import sys
 
@@ -11,7 +11,7 @@ from export.bundle import load_bundle
 from export.contract import past_key, past_value, present_key, present_value
 from export.parity import TorchRuntime
 from model.checkpoint import load_checkpoint
-from serving.runtime import CPU_EP, ModelRuntime, choose_provider, gpu_visible
+from serving.engine.runtime import CPU_EP, ModelRuntime, choose_provider, gpu_visible
 from tests.helpers_tiny import checkpoint_of, tiny_bundle
 
 
@@ -175,7 +175,7 @@ def test_provider_choice():
 
 
 def test_serving_side_modules_do_not_import_torch():
-    code = ("import sys; import export.bundle, export.evaluate, export.contract, export.bench_step, serving.runtime, "
-            "loadtest.bench_doc; "
+    code = ("import sys; import export.bundle, export.evaluate, export.contract, bench.decode_step, serving.engine.runtime, "
+            "bench.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))

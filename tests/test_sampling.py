@@ -1,10 +1,10 @@
-"""serving/sampling.py: greedy, repetition penalty, temperature, top-k, top-p and per-request seeds."""
+"""serving/engine/sampling.py: greedy, repetition penalty, temperature, top-k, top-p and per-request seeds."""
 import numpy as np
 import pytest
 
-from serving.sampling import (apply_repetition_penalty, filter_top_k_top_p, greedy, is_plain_greedy,
+from serving.engine.sampling import (apply_repetition_penalty, filter_top_k_top_p, greedy, is_plain_greedy,
                               make_generator, sample_row)
-from serving.types import SamplingParams
+from serving.engine.types import SamplingParams
 
 EMPTY = np.zeros(0, dtype=np.int64)
 

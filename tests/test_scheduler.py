@@ -1,10 +1,10 @@
-"""serving/scheduler.py alone (no ONNX Runtime): slots, compaction, token budget, modes, admission."""
+"""serving/engine/scheduler.py alone (no ONNX Runtime): slots, compaction, token budget, modes, admission."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.scheduler import Phase, Scheduler, SchedulerLimits, Sequence
-from serving.types import AdmissionRejected, BatchingMode, FinishReason
+from serving.engine.scheduler import Phase, Scheduler, SchedulerLimits, Sequence
+from serving.engine.types import AdmissionRejected, BatchingMode, FinishReason
 
 M = 64
 

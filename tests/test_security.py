@@ -1,6 +1,6 @@
 """Security: the API key, bundle integrity, and no unpickling of anything untrusted.
 
-- Authentication (serving/auth.py): with a key set, every path but the health probes and /metrics needs
+- Authentication (serving/server/auth.py): with a key set, every path but the health probes and /metrics needs
   `Authorization: Bearer <key>` (401 + `WWW-Authenticate: Bearer` otherwise, unknown paths and /docs
   included); the key is compared in constant time (`hmac.compare_digest` of SHA-256 digests) and never
   appears in a log line or a response. Fast: the real API in-process (tests/inprocess_app.py); slow: the
@@ -29,8 +29,8 @@ import pytest
 from engine_bundle import cached_bundle
 from export.bundle import BundleError
 from inprocess_app import InProcessServer
-from serving.auth import OPEN_PATHS, BearerAuth, key_sha256
-from serving.config import AppArgs, Limits
+from serving.server.auth import OPEN_PATHS, BearerAuth, key_sha256
+from serving.server.config import AppArgs, Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "kvs-secret-" + "Zq8w" * 8
@@ -152,7 +152,7 @@ def _tamper(bundle: Path, how: str) -> str:
 
 @pytest.mark.parametrize("how", ["changed", "missing", "manifest"])
 def test_serving_refuses_a_damaged_bundle_naming_the_file(tmp_path, how):
-    from serving.engine import Engine, EngineConfig
+    from serving.engine.engine import Engine, EngineConfig
 
     bundle = Path(shutil.copytree(cached_bundle("generate")[0], tmp_path / "bundle"))
     needle = _tamper(bundle, how)
@@ -253,9 +253,9 @@ def test_serving_a_bundle_never_unpickles(monkeypatch, tmp_path):
     """Load a bundle, build the engine and generate with every pickle entry point made to fail."""
     import asyncio
 
-    import serving.runtime  # noqa: F401  (imported before pickle is disabled, like onnxruntime itself)
-    from serving.engine import Engine, EngineConfig
-    from serving.types import GenerationRequest, SamplingParams
+    import serving.engine.runtime  # noqa: F401  (imported before pickle is disabled, like onnxruntime itself)
+    from serving.engine.engine import Engine, EngineConfig
+    from serving.engine.types import GenerationRequest, SamplingParams
 
     def refuse(*_a, **_k):
         raise AssertionError("something unpickled while serving a bundle")
@@ -303,7 +303,7 @@ def test_cluster_refuses_damaged_bundles_naming_the_file(rel):
     """Each damaged bundle is its own application next to the reliability one: its model deployment fails
     to start with the bundle's error, naming the file; the healthy application keeps serving."""
     from ray import serve
-    from serving.serve_cli import failure_message, start
+    from serving.server.launch import failure_message, start
 
     raw, needles = json.loads(json.dumps(rel.raw)), {}
     for how in ("changed", "missing", "manifest"):
@@ -311,7 +311,7 @@ def test_cluster_refuses_damaged_bundles_naming_the_file(rel):
                                       dirs_exist_ok=True))
         needles[how] = _tamper(bundle, how)
         raw["applications"].append({
-            "name": f"damaged-{how}", "route_prefix": f"/damaged-{how}", "import_path": "serving.app:build_app",
+            "name": f"damaged-{how}", "route_prefix": f"/damaged-{how}", "import_path": "serving.server.app:build_app",
             "args": {"artifacts_dir": str(rel.art), "models": [{"name": "generate", "bundle": f"bundles/damaged-{how}",
                                                                 "engine": {"max_slots": 1, "intra_op_threads": 1}}]},
             "deployments": [{"name": "ingress", "ray_actor_options": {"num_cpus": 0.01}},

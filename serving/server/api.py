@@ -1,0 +1,385 @@
+"""The HTTP API (FastAPI): routes, Server-Sent Events, limits, and the ONE place where errors become statuses.
+
+Routes: POST /v1/translate, POST /v1/generate (SSE with "stream": true), POST /v1/completions and
+GET /v1/models (OpenAI-compatible), GET /v2/health/live, GET /v2/health/ready, GET /metrics.
+
+The app talks to models through a `Backend` (serving/server/app.py's Ray handles in production, in-process
+`ModelService`s in tests), so this module knows nothing about Ray. Status mapping (`_STATUS`): invalid
+input 422, unknown model 404, body or prompt over the limit 413, overload 429 + Retry-After, past the
+deadline 504, model unavailable or draining 503 (+ Retry-After: it can be retried), missing API key 401;
+an unexpected exception is the only 500. Error bodies are always `{"error": {"type", "message", "field"}}`.
+Bodies are in serving/server/schemas.py; text handling (stop strings, usage, timings) in serving/server/service.py;
+the API key check in serving/server/auth.py; refusing new requests while shutting down in serving/server/drain.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.server.stream import DEADLINE_GRACE_S, completion_events, generate_events, openai_finish, start_stream
+from serving.server.auth import BearerAuth, app_path, key_sha256
+from serving.server.config import Limits
+from serving.server.drain import Drain, DrainGate
+from serving.server.metrics import Recorder
+from serving.server.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, TranslateRequest,
+                             TranslateResponse)
+from serving.server.service import ErrorKind, ServiceError, StreamPiece, TextRequest, TextResult
+from serving.engine.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_STATUS = {ErrorKind.INVALID: 422, ErrorKind.TOO_LARGE: 413, ErrorKind.OVERLOADED: 429,
+           ErrorKind.DEADLINE: 504, ErrorKind.UNAVAILABLE: 503, ErrorKind.NOT_FOUND: 404}
+ECHO_CHARS = 120  # an invalid value is quoted in the error message up to this many characters
+
+
+class Backend(Protocol):
+    def model_tasks(self) -> dict[str, str]: ...  # model name -> "translate" | "generate"
+    async def complete(self, model: str, req: TextRequest) -> TextResult: ...
+    def stream(self, model: str, req: TextRequest) -> AsyncIterator[StreamPiece | TextResult]: ...
+    async def ready(self) -> bool: ...
+    async def metrics_text(self) -> str: ...
+
+
+def _utf8_safe(text: str) -> str:
+    """A lone surrogate sent by a client (JSON allows "\\ud800") cannot be encoded; show it escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_body(kind: str, message: str, field: str | None = None) -> dict:
+    return {"error": {"type": kind, "message": _utf8_safe(message),
+                      "field": _utf8_safe(field) if field is not None else None}}
+
+
+def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: str | None = None,
+               drain: Drain | None = None) -> FastAPI:
+    """The API. Middleware, outermost first: metrics (sees every /v1 answer, 401 and 503 included), drain
+    gate, API key (checked before the body is read), body limit."""
+    app = FastAPI(title="kvserve", version="0.1.0",
+                  description="Transformer translation and generation on ONNX Runtime behind Ray Serve.")
+    drain = drain if drain is not None else Drain()
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BearerAuth, key_sha256=key_sha256(api_key))
+    app.add_middleware(DrainGate, drain=drain)
+    app.add_middleware(RequestMetrics, recorder=recorder)
+    _install_error_handlers(app, recorder)
+    routes = _Routes(backend, limits, drain)
+    app.post("/v1/translate", response_model=TranslateResponse)(routes.translate)
+    app.post("/v1/generate", response_model=GenerateResponse)(routes.generate)
+    app.post("/v1/completions")(routes.completions)
+    app.get("/v1/models")(routes.models)
+    app.get("/v2/health/live")(routes.live)
+    app.get("/v2/health/ready")(routes.ready)
+    app.get("/metrics", response_class=PlainTextResponse)(routes.metrics)
+    return app
+
+
+class _Routes:
+    def __init__(self, backend: Backend, limits: Limits, drain: Drain) -> None:
+        self.backend, self.limits, self.drain = backend, limits, drain
+
+    async def translate(self, body: TranslateRequest, request: Request) -> dict:
+        model = self._resolve(body.model, "translate", request)
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        if len(texts) > self.limits.max_texts:
+            raise ServiceError(ErrorKind.TOO_LARGE, f"text has {len(texts)} entries; the limit is "
+                               f"{self.limits.max_texts} per request. Split the list.", field="text")
+        for name, value, limit in (("beam_size", body.beam_size, self.limits.max_beam_size),
+                                   ("n_best", body.n_best or 1, self.limits.max_n_best)):
+            if value > limit:
+                raise ServiceError(ErrorKind.INVALID, f"{name}={value} exceeds this server's limit {limit}",
+                                   field=name)
+        params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), beam_size=body.beam_size,
+                                n_best=body.n_best or 1)
+        deadline, started = self._deadline(), time.monotonic()
+        reqs = [TextRequest(t, params, deadline, field="text" if isinstance(body.text, str) else f"text[{i}]")
+                for i, t in enumerate(texts)]
+        results = await _gather([self._complete(model, r) for r in reqs])
+        return {"model": model, "usage": _usage(results), "timings": _timings(results, started),
+                "translations": [_translation(r, body.n_best is not None) for r in results]}
+
+    async def generate(self, body: GenerateRequest, request: Request) -> Any:
+        model = self._resolve(body.model, "generate", request)
+        stops = _stops(body.stop, self.limits)
+        params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), temperature=body.temperature,
+                                top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
+                                seed=body.seed, stop_strings=stops, ignore_eos=body.ignore_eos)
+        treq = TextRequest(body.prompt, params, self._deadline())
+        started = time.monotonic()
+        if body.stream:
+            first, rest = await start_stream(self.backend.stream(model, treq), treq.deadline_wall)
+            return _sse(generate_events(first, rest, started, treq.deadline_wall))
+        r = await self._complete(model, treq)
+        return {"model": model, "text": r.text, "finish_reason": r.finish_reason,
+                "usage": _usage([r]), "timings": _timings([r], started)}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        model = self._resolve(body.model, None, request)
+        params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), temperature=body.temperature,
+                                top_p=body.top_p, seed=body.seed, stop_strings=_stops(body.stop, self.limits))
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) > self.limits.max_texts:
+            raise ServiceError(ErrorKind.TOO_LARGE, f"prompt has {len(prompts)} entries; the limit is "
+                               f"{self.limits.max_texts}", field="prompt")
+        deadline, cid, created = self._deadline(), f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        if body.stream:
+            first, rest = await start_stream(self.backend.stream(model, TextRequest(prompts[0], params, deadline)),
+                                             deadline)
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(completion_events(first, rest, cid, created, model, usage, deadline))
+        results = await _gather([self._complete(model, TextRequest(p, params, deadline)) for p in prompts])
+        choices = [{"text": r.text, "index": i, "logprobs": None, "finish_reason": openai_finish(r.finish_reason)}
+                   for i, r in enumerate(results)]
+        return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(results)}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvserve",
+                                            "task": task} for name, task in self.backend.model_tasks().items()]}
+
+    async def live(self) -> dict:
+        return {"status": "live"}
+
+    async def ready(self) -> JSONResponse:
+        if self.drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        ok = await self.backend.ready()
+        return JSONResponse({"status": "ready" if ok else "loading"}, status_code=200 if ok else 503)
+
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(await self.backend.metrics_text(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _resolve(self, name: str | None, task: str | None, request: Request) -> str:
+        tasks = self.backend.model_tasks()
+        if name is None:
+            names = [n for n, t in tasks.items() if t == task]
+            if not names:
+                raise ServiceError(ErrorKind.NOT_FOUND, f"no {task} model is served", field="model")
+            name = names[0]
+        if name not in tasks:
+            raise ServiceError(ErrorKind.NOT_FOUND, f"model {name!r} is not served; models: {sorted(tasks)}",
+                               field="model")
+        if task is not None and tasks[name] != task:
+            raise ServiceError(ErrorKind.INVALID, f"model {name!r} is a {tasks[name]} model; this endpoint "
+                               f"needs a {task} model", field="model")
+        request.state.model = name
+        return name
+
+    def _max_tokens(self, asked: int | None) -> int:
+        if asked is None:
+            return self.limits.default_tokens
+        if asked > self.limits.max_tokens:
+            raise ServiceError(ErrorKind.INVALID, f"max_tokens={asked} exceeds the limit "
+                               f"{self.limits.max_tokens}; ask for fewer", field="max_tokens")
+        return asked
+
+    def _deadline(self) -> float:
+        return time.time() + self.limits.request_timeout_s
+
+    async def _complete(self, model: str, req: TextRequest) -> TextResult:
+        timeout = req.deadline_wall - time.time() + DEADLINE_GRACE_S
+        try:
+            return await asyncio.wait_for(self.backend.complete(model, req), timeout)
+        except asyncio.TimeoutError:
+            raise ServiceError(ErrorKind.DEADLINE, f"request passed its deadline of "
+                               f"{self.limits.request_timeout_s:.0f}s") from None
+
+
+def _stops(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > limits.max_stop_strings:
+        raise ServiceError(ErrorKind.INVALID, f"stop has {len(stops)} strings; the limit is "
+                           f"{limits.max_stop_strings}", field="stop")
+    if any(not s for s in stops):
+        raise ServiceError(ErrorKind.INVALID, "stop strings must not be empty", field="stop")
+    return stops
+
+
+async def _gather(coros: list) -> list:
+    """All results, or the first error with the other calls cancelled (py3.10: no TaskGroup)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+
+
+def _usage(results: list[TextResult]) -> dict:
+    p, c = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _timings(results: list[TextResult], started: float) -> dict:
+    queue = [r.queue_s for r in results if r.queue_s is not None]
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    return {"queue_s": max(queue) if queue else None, "ttft_s": max(ttft) if ttft else None,
+            "total_s": time.monotonic() - started}
+
+
+def _translation(r: TextResult, with_n_best: bool) -> dict:
+    out: dict[str, Any] = {"text": r.text, "finish_reason": r.finish_reason}
+    if with_n_best:
+        out["n_best"] = [{"text": t, "score": s} for t, s in r.n_best] or [{"text": r.text, "score": 0.0}]
+    return out
+
+
+def _sse(events: AsyncIterator[dict | str]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        async for ev in events:
+            yield f"data: {ev if isinstance(ev, str) else json.dumps(ev, ensure_ascii=False)}\n\n"
+    return StreamingResponse(lines(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# -- errors -------------------------------------------------------------------------------------------
+def service_error_response(e: ServiceError) -> JSONResponse:
+    status = _STATUS[e.kind]
+    # 429 and 503 can be retried: Retry-After says when (RFC 9110 sections 15.5.21 and 15.6.4).
+    headers = {"Retry-After": str(max(1, round(e.retry_after_s or 1)))} if status in (429, 503) else None
+    return JSONResponse(error_body(e.kind.value, e.message, e.field), status_code=status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI, recorder: Recorder) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service(request: Request, e: ServiceError) -> JSONResponse:
+        if e.kind == ErrorKind.OVERLOADED:  # the engine's refusals and Ray's backpressure alike
+            model = getattr(request.state, "model", "none")
+            recorder.inc("kvserve_rejections_total", {"model": model, "reason": e.reason or "overloaded"})
+        return service_error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        field, message = _validation_message(e)
+        return JSONResponse(error_body(ErrorKind.INVALID.value, message, field), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {400: ErrorKind.INVALID.value, 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+                413: ErrorKind.TOO_LARGE.value}.get(e.status_code, "http_error")
+        field = "body" if e.status_code in (400, 413) else None
+        return JSONResponse(error_body(kind, _http_message(request, e), field), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body("internal_error", f"internal error: {type(e).__name__}"), status_code=500)
+
+
+ROUTES_HINT = ("POST /v1/translate, POST /v1/generate, POST /v1/completions, GET /v1/models, "
+               "GET /v2/health/live, GET /v2/health/ready, GET /metrics")
+
+
+def _http_message(request: Request, e: StarletteHTTPException) -> str:
+    """Starlette's terse details ("Not Found") made to say what was asked and what exists."""
+    path = _clip(app_path(request.scope), ECHO_CHARS)
+    if e.status_code == 404 and e.detail == "Not Found":
+        return f"no route {request.method} {path}; this server has {ROUTES_HINT}"
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        return f"method {request.method} is not allowed on {path}; use {allowed or 'another method'}"
+    if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not parse the body at all
+        cause = e.__cause__
+        return _clip(f"the request body could not be parsed as JSON: {type(cause).__name__}: {cause}", 300)
+    return str(e.detail)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# pydantic names the member of a union (`str | list[str]`) it tried in the error location; users never see it
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict|function-[a-z-]+)(\[.*\])?$")
+
+
+def _validation_message(e: RequestValidationError) -> tuple[str | None, str]:
+    """(field, message) of the most telling validation error: the field path, what is wrong, the value
+    (clipped). Of a union's errors, one about the value beats "should be a valid <type>"."""
+    errors = e.errors()
+    err = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0]) if errors else {
+        "loc": (), "msg": "invalid request"}
+    if err.get("type") == "json_invalid":  # loc is ("body", character offset)
+        where = err.get("loc", ("body", "?"))[-1]
+        detail = (err.get("ctx") or {}).get("error", "invalid JSON")
+        return "body", f"the request body is not valid JSON: {detail} at character {where}"
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
+    field = _clip(".".join(loc), ECHO_CHARS) or None
+    got = ""
+    if "input" in err and not isinstance(err["input"], dict):
+        got = f" (got {_clip(repr(err['input']), ECHO_CHARS)})"
+    return field, f"{field or 'body'}: {err.get('msg', 'invalid')}{got}"
+
+
+# -- ASGI middleware ----------------------------------------------------------------------------------
+class BodyLimit:
+    """413 for a body over `max_bytes`, by Content-Length or while reading a chunked body."""
+
+    def __init__(self, app: Callable, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            response = JSONResponse(error_body(ErrorKind.TOO_LARGE.value, self._message(int(length)), "body"),
+                                    status_code=413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # FastAPI lets an HTTPException from body reading through as is
+                raise HTTPException(413, self._message(seen))
+            return message
+        await self.app(scope, limited, send)
+
+    def _message(self, size: int) -> str:
+        return f"request body has {size} bytes or more; the limit is {self.max_bytes} bytes"
+
+
+class RequestMetrics:
+    """kvserve_requests_total and kvserve_request_duration_seconds for /v1 routes (499: client went away)."""
+
+    def __init__(self, app: Callable, recorder: Recorder) -> None:
+        self.app, self.recorder = app, recorder
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or not app_path(scope).startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        started, status = time.monotonic(), "499"
+
+        async def send_wrapper(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            status = "500"
+            raise
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", "other")
+            model = scope.get("state", {}).get("model", "none")
+            self.recorder.inc("kvserve_requests_total", {"model": model, "endpoint": endpoint, "status": status})
+            self.recorder.observe("kvserve_request_duration_seconds", {"model": model, "endpoint": endpoint},
+                                  time.monotonic() - started)

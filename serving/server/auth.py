@@ -1,0 +1,70 @@
+"""API-key authentication of the HTTP API: an ASGI middleware that fails closed.
+
+Owns: deciding whether a request may pass. With an API key configured (serving/server/config.py `AppArgs.api_key`
+or `api_key_env`), every path needs `Authorization: Bearer <key>` except the open ones (`OPEN_PATHS`: the
+health probes and /metrics, which Kubernetes and Prometheus call without credentials). Everything else --
+the /v1 routes, /docs, /openapi.json, and paths that do not exist -- answers 401 with
+`WWW-Authenticate: Bearer` before the body is read, so an unauthenticated client learns nothing about the
+routes and cannot make the server read a large body.
+
+The middleware gets and keeps only the key's SHA-256 digest (`key_sha256`; so the key is not in the app's
+middleware list either), and compares the digest of the presented token with `hmac.compare_digest`
+(constant time; fixed-length digests do not leak the key's length). Neither the key nor the presented
+token is ever logged or put in a response.
+
+Does not own: where the key comes from (serving/server/config.py), the error body shape (serving/server/api.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable
+
+from starlette.responses import JSONResponse
+
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
+UNAUTHORIZED = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+
+
+def app_path(scope: dict) -> str:
+    """The path inside the app (Ray Serve keeps the route_prefix in `path` and sets `root_path`)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def key_sha256(api_key: str | None) -> bytes | None:
+    """What `BearerAuth` is given: the key's digest, or None for no authentication."""
+    return _digest(api_key.encode()) if api_key else None
+
+
+class BearerAuth:
+    """401 for every request without the right bearer token, except `OPEN_PATHS`; a no-op without a key."""
+
+    def __init__(self, app: Callable, key_sha256: bytes | None) -> None:
+        self.app = app
+        self._want = key_sha256
+
+    def __repr__(self) -> str:  # never show the digest either
+        return f"BearerAuth(enabled={self._want is not None})"
+
+    def allows(self, authorization: bytes | None) -> bool:
+        if self._want is None:
+            return True
+        scheme, _, token = (authorization or b"").strip().partition(b" ")
+        # Always run the comparison, even for a wrong scheme, so the time taken does not depend on the input.
+        same = hmac.compare_digest(_digest(token.strip()), self._want)
+        return same and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or self._want is None or app_path(scope) in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        authorization = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
+        if self.allows(authorization):
+            return await self.app(scope, receive, send)
+        response = JSONResponse({"error": {"type": "unauthorized", "message": UNAUTHORIZED, "field": "authorization"}},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)

@@ -1,0 +1,192 @@
+"""The server's configuration: one validated pydantic object per process boundary, parsed once at startup.
+
+- `AppArgs` is `applications[].args` of the Serve config (deploy/serve_config.yaml): where the bundles are,
+  each model's engine knobs that are fixed when a replica starts (KV slots, provider, threads), and the
+  HTTP limits. `serving.server.app.build_app` parses it; nothing else reads the raw dict.
+- `LiveKnobs` is a model deployment's `user_config`: the batching knobs that `reconfigure` changes live.
+- `IngressKnobs` is the ingress deployment's `user_config`: the graceful drain switch (serving/server/drain.py).
+- `load_serve_config` / `validate_serve_config` check a whole Serve config offline (Ray's own schema, then ours),
+  for `kvserve serve`, tests and the deploy tooling.
+
+Deployment-level knobs (replicas, autoscaling, max_ongoing_requests, max_queued_requests, actor options)
+stay in Ray's own schema, which `load_serve_config` validates with `ServeDeploySchema`; this module adds
+the checks Ray cannot know (e.g. max_ongoing_requests >= max_batch_size). Not here: the engine's own
+config class (serving/engine/engine.py `EngineConfig`), which `engine_config()` builds from these pieces.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from serving.engine.types import BatchingMode
+
+MODEL_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+INGRESS_DEPLOYMENT = "ingress"
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors: Ray's schema ignores them, so a typo would otherwise pass silently.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StaticEngineKnobs(_Strict):
+    """Engine settings fixed for a replica's lifetime (they size buffers or sessions)."""
+    max_slots: int = Field(16, ge=1, le=1024, description="KV-cache slots = most rows in one engine step.")
+    provider: str = Field("auto", pattern=r"^(auto|cpu|cuda)$",
+                          description="ONNX Runtime provider: auto (CUDA where a GPU is visible), cpu or cuda.")
+    intra_op_threads: int | None = Field(None, ge=1, le=256,
+                                         description="ONNX Runtime intra-op threads per replica; None = ORT default.")
+
+
+class LiveKnobs(_Strict):
+    """A model deployment's `user_config`: batching knobs, applied live by `reconfigure`."""
+    batching: BatchingMode = Field(BatchingMode.CONTINUOUS,
+                                   description="continuous (iteration-level), request (@serve.batch) or none.")
+    max_waiting: int = Field(64, ge=0, le=100_000,
+                             description="Bounded waiting queue of the engine; beyond it requests get 429.")
+    max_tokens_per_step: int = Field(2048, ge=1, le=1_000_000,
+                                     description="Token budget (prefill + decode) of one engine step.")
+    max_batch_size: int = Field(16, ge=1, le=1024,
+                                description="Request-level mode: run a batch once this many requests wait...")
+    batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=10.0,
+                                        description="...or once the oldest has waited this long (seconds).")
+
+
+class IngressKnobs(_Strict):
+    """The ingress deployment's `user_config`, applied live by `Ingress.reconfigure` (serving/server/drain.py)."""
+    draining: bool = Field(False, description="true: refuse new API requests with 503 + Retry-After and report "
+                                              "not ready, while the ones in flight finish (graceful shutdown).")
+
+
+class Limits(_Strict):
+    """What one HTTP request may ask for; beyond these the API answers 413 or 422 naming the limit."""
+    max_body_bytes: int = Field(65_536, ge=256, le=16 * 2**20, description="Largest request body (bytes) -> 413.")
+    max_prompt_tokens: int = Field(256, ge=1, le=65_536, description="Longest prompt/source in tokens -> 413.")
+    max_tokens: int = Field(256, ge=1, le=65_536, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int | None = Field(None, ge=1, le=65_536, description=(
+        "max_tokens when a request names none; None = min(128, max_tokens)."))
+    max_texts: int = Field(32, ge=1, le=1024, description="Most texts in one /v1/translate request.")
+    max_beam_size: int = Field(8, ge=1, le=8, description="Largest beam_size (the API allows 1-8).")
+    max_n_best: int = Field(8, ge=1, le=8, description="Most hypotheses per text (n_best <= beam_size).")
+    max_stop_strings: int = Field(4, ge=0, le=16, description="Most stop strings per request.")
+    request_timeout_s: float = Field(60.0, gt=0, le=3600, description="Deadline per request -> 504 past it.")
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> "Limits":
+        if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens={self.max_tokens}")
+        return self
+
+    @property
+    def default_tokens(self) -> int:
+        return self.default_max_tokens if self.default_max_tokens is not None else min(128, self.max_tokens)
+
+
+class ModelSpec(_Strict):
+    """One served model: a bundle directory and its replica-lifetime engine knobs."""
+    name: str = Field(..., description="Model name in the API and Serve deployment name, e.g. 'translate'.")
+    bundle: Path = Field(..., description="Bundle directory; relative paths are under AppArgs.artifacts_dir.")
+    engine: StaticEngineKnobs = Field(default_factory=StaticEngineKnobs)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not MODEL_NAME.match(v) or v == INGRESS_DEPLOYMENT:
+            raise ValueError(f"model name {v!r} must match {MODEL_NAME.pattern} and not be '{INGRESS_DEPLOYMENT}'")
+        return v
+
+
+class AppArgs(_Strict):
+    """`applications[].args` of the Serve config, parsed once by `serving.server.app.build_app`."""
+    artifacts_dir: Path = Field(Path("artifacts"), description="Root for relative bundle paths.")
+    models: list[ModelSpec] = Field(..., min_length=1, max_length=16, description="Served models.")
+    limits: Limits = Field(default_factory=Limits)
+    api_key: SecretStr | None = Field(None, description="If set, requests need 'Authorization: Bearer <key>'.")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$",
+                                    description="Name of an environment variable holding the API key (wins "
+                                                "over api_key; read once when the ingress starts).")
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, v: list[ModelSpec]) -> list[ModelSpec]:
+        names = [m.name for m in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return v
+
+    def bundle_dir(self, spec: ModelSpec) -> Path:
+        """The absolute bundle directory of a model (resolved where the app is built)."""
+        path = spec.bundle if spec.bundle.is_absolute() else self.artifacts_dir / spec.bundle
+        return path.resolve()
+
+    def resolved_api_key(self) -> str | None:
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ValueError(f"api_key_env={self.api_key_env!r} names an unset or empty environment variable")
+            return key
+        return self.api_key.get_secret_value() if self.api_key else None
+
+
+def engine_config(spec: ModelSpec, live: LiveKnobs, limits: Limits) -> Any:
+    """The engine's EngineConfig for one model: static knobs + live knobs + the request limits it enforces."""
+    from serving.engine.engine import EngineConfig  # the engine owns its config class
+
+    # The engine counts the bos that serving/server/service.py puts before an LM's prompt; the user's limit does not.
+    values: dict[str, Any] = {**spec.engine.model_dump(), **live.model_dump(),
+                              "max_prompt_tokens": limits.max_prompt_tokens + 1, "max_new_tokens": limits.max_tokens,
+                              "max_beam_size": limits.max_beam_size}
+    known = EngineConfig.model_fields
+    return EngineConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def check_deployments(app: dict[str, Any], args: AppArgs) -> None:
+    """Cross-checks Ray cannot do: every model has a deployment entry whose limits let batches form."""
+    deployments = {d["name"]: d for d in app.get("deployments", [])}
+    expected = {INGRESS_DEPLOYMENT, *(m.name for m in args.models)}
+    unknown = set(deployments) - expected
+    if unknown:
+        raise ValueError(f"deployments {sorted(unknown)} match no model; expected names {sorted(expected)}")
+    IngressKnobs.model_validate(deployments.get(INGRESS_DEPLOYMENT, {}).get("user_config") or {})
+    for spec in args.models:
+        dep = deployments.get(spec.name, {})
+        live = LiveKnobs.model_validate(dep.get("user_config") or {})
+        ongoing = dep.get("max_ongoing_requests")
+        if ongoing is not None and ongoing < live.max_batch_size:
+            raise ValueError(f"deployment {spec.name!r}: max_ongoing_requests={ongoing} < max_batch_size="
+                             f"{live.max_batch_size}; a full batch could never form. Raise max_ongoing_requests.")
+        if ongoing is not None and live.batching == BatchingMode.CONTINUOUS and ongoing < spec.engine.max_slots:
+            raise ValueError(f"deployment {spec.name!r}: max_ongoing_requests={ongoing} < max_slots="
+                             f"{spec.engine.max_slots}; KV slots would sit idle. Raise max_ongoing_requests.")
+
+
+def load_serve_config(path: str | Path, artifacts_dir: str | Path | None = None) -> dict[str, Any]:
+    """Read a Serve config file and validate it (see `validate_serve_config`); returns the dict."""
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    return validate_serve_config(raw, artifacts_dir)
+
+
+def validate_serve_config(raw: dict[str, Any], artifacts_dir: str | Path | None = None) -> dict[str, Any]:
+    """Validate a Serve config dict: Ray's schema, then AppArgs and the cross-checks of every kvserve app.
+
+    `artifacts_dir` overrides `args.artifacts_dir` of every kvserve application (the `--artifacts` flag).
+    """
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(raw)
+    for app in raw.get("applications", []):
+        if app.get("import_path") != "serving.server.app:build_app":
+            continue
+        if artifacts_dir is not None:
+            app.setdefault("args", {})["artifacts_dir"] = str(Path(artifacts_dir).resolve())
+        args = AppArgs.model_validate(app.get("args") or {})
+        check_deployments(app, args)
+    return raw

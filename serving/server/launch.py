@@ -1,0 +1,248 @@
+"""`kvserve serve`: start Ray and Ray Serve locally from existing bundles, with the Serve config file.
+
+    kvserve serve [--config deploy/serve_config.yaml] [--artifacts DIR] [--port 8000]
+
+Validates the config offline (serving.server.config.load_serve_config), checks every bundle exists, starts a local
+Ray instance, deploys the config exactly as `serve run`/`serve deploy` would (the controller imports
+`serving.server.app:build_app`), waits until every application is RUNNING, prints the URLs, and blocks. Ctrl-C
+(or SIGTERM) stops cleanly (`stop`): first `drain` -- every ingress replica answers new API requests with
+503 + Retry-After and reports not ready, while the requests in flight finish -- then the applications are
+deleted (the engines drain what is left), then Ray shuts down.
+
+`serve_config(...)` is the same as a function, for `kvserve up` (kvserve/up.py) and tests.
+Does not own: training or exporting bundles (`kvserve up` does that first), the app itself (serving/server/app.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from serving.server.config import INGRESS_DEPLOYMENT, AppArgs, load_serve_config, validate_serve_config
+
+DEFAULT_CONFIG = "deploy/serve_config.yaml"
+IMPORT_PATH = "serving.server.app:build_app"
+START_TIMEOUT_S = 600.0
+DRAIN_TIMEOUT_S = 60.0
+METRICS_REPORT_MS = 2000
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve exported bundles with Ray Serve",
+                              description="Start Ray Serve locally with the models of a Serve config file "
+                                          "(default: deploy/serve_config.yaml); Ctrl-C stops it cleanly.")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="Ray Serve config file (default: %(default)s)")
+    p.add_argument("--artifacts", help="artifacts directory holding bundles/ (overrides args.artifacts_dir)")
+    p.add_argument("--host", help="HTTP host (overrides http_options.host)")
+    p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
+    p.add_argument("--num-cpus", dest="num_cpus", type=int,
+                   help="logical CPUs for the local Ray instance (default: enough for the config's replicas)")
+    p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (port 8265)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    return serve_config(args.config, artifacts=args.artifacts, host=args.host, port=args.port,
+                        num_cpus=args.num_cpus, dashboard=args.dashboard)
+
+
+def prepare_config(config: str | Path, artifacts: str | Path | None = None, host: str | None = None,
+                   port: int | None = None) -> dict[str, Any]:
+    """The validated config dict with overrides applied and artifacts_dir made absolute (the controller's
+    build task has another working directory); every bundle is checked to exist."""
+    from serving.server.app import bundle_task
+
+    raw = load_serve_config(config)
+    for app in raw.get("applications", []):
+        if app.get("import_path") != "serving.server.app:build_app":
+            continue
+        args = app.setdefault("args", {})
+        root = Path(artifacts if artifacts is not None else args.get("artifacts_dir", "artifacts"))
+        args["artifacts_dir"] = str(root.resolve())
+        parsed = AppArgs.model_validate(args)
+        for spec in parsed.models:
+            bundle_task(parsed.bundle_dir(spec))  # fails here, with the path, not later in a replica
+    http = raw.setdefault("http_options", {})
+    if host is not None:
+        http["host"] = host
+    if port is not None:
+        http["port"] = port
+    return validate_serve_config(raw)
+
+
+def cpus_needed(raw: dict[str, Any]) -> int:
+    """Logical CPUs the config's replicas reserve (autoscaling: at its min/initial replicas)."""
+    total = 0.0
+    for app in raw.get("applications", []):
+        for d in app.get("deployments", []):
+            auto = d.get("autoscaling_config") or {}
+            n = d.get("num_replicas") or auto.get("initial_replicas") or auto.get("min_replicas") or 1
+            cpus = (d.get("ray_actor_options") or {}).get("num_cpus", 1)
+            total += n * cpus
+    return max(1, math.ceil(total))
+
+
+def start(raw: dict[str, Any], num_cpus: int | None = None, dashboard: bool = False,
+          timeout_s: float = START_TIMEOUT_S) -> None:
+    """Start Ray (if not running), deploy the config, wait until every application is RUNNING."""
+    import ray
+    from ray.serve._private.api import serve_start  # what `serve run CONFIG` itself uses
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(raw)
+    if not ray.is_initialized():
+        from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
+
+        os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # Ray's proxy inherits it (serving/server/proxy_guard.py)
+        cpus = num_cpus or max(os.cpu_count() or 1, cpus_needed(raw))
+        # Replicas push metrics to the node's exporter every metrics_report_interval_ms (Ray's default: 10 s);
+        # 2 s keeps /metrics close to live for load tests at a negligible cost.
+        ray.init(num_cpus=cpus, include_dashboard=dashboard, log_to_driver=True,
+                 _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
+    client = serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
+                         global_logging_config=schema.logging_config)
+    client.deploy_apps(schema, _blocking=False)
+    wait_running([a.name for a in schema.applications], timeout_s)
+
+
+def with_draining(raw: dict[str, Any], draining: bool = True) -> dict[str, Any]:
+    """A copy of the config whose kvserve applications' ingress has `user_config.draining` set."""
+    out = json.loads(json.dumps(raw))
+    for app in out.get("applications", []):
+        if app.get("import_path") != IMPORT_PATH:
+            continue
+        deployments = app.setdefault("deployments", [])
+        ingress = next((d for d in deployments if d.get("name") == INGRESS_DEPLOYMENT), None)
+        if ingress is None:
+            ingress = {"name": INGRESS_DEPLOYMENT}
+            deployments.append(ingress)
+        ingress["user_config"] = {**(ingress.get("user_config") or {}), "draining": draining}
+    return out
+
+
+def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+    """Drain every kvserve application of the (deployed) config `raw`: new API requests get 503 from now on;
+    returns True once every ingress replica reports nothing in flight, False if some still had requests
+    after `timeout_s` (serving/server/drain.py explains why the wait is here and not in `reconfigure`)."""
+    from ray import serve
+
+    drained = with_draining(raw)
+    start(drained, timeout_s=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    apps = [a.get("name", "default") for a in drained["applications"] if a.get("import_path") == IMPORT_PATH]
+    return all(_wait_idle(serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app), app, deadline)
+               for app in apps)
+
+
+def _wait_idle(handle: Any, app: str, deadline: float) -> bool:
+    """Poll `drain_status` until every running ingress replica has reported draining with nothing in flight.
+
+    Calls reach replicas by Serve's routing (the least busy of two), so a busy replica is asked once it is
+    idle; a replica that reported idle stays idle (draining refuses new requests)."""
+    from ray import serve
+
+    idle: set[str] = set()
+    while time.monotonic() < deadline:
+        replicas = serve.status().applications[app].deployments[INGRESS_DEPLOYMENT].replica_states.get("RUNNING", 1)
+        status = handle.drain_status.remote().result(timeout_s=max(1.0, deadline - time.monotonic()))
+        if status["phase"] == "draining" and status["in_flight"] == 0:
+            idle.add(status["replica"])
+        if len(idle) >= replicas:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def wait_running(names: list[str], timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = serve.status().applications
+        states = {n: (apps[n].status.value if n in apps else "NOT_STARTED") for n in names}
+        failed = {n: failure_message(apps[n]) for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
+        if failed:
+            raise RuntimeError(f"Serve application(s) failed to deploy: {failed}")
+        if all(s == "RUNNING" for s in states.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f}s: {states}")
+        time.sleep(0.5)
+
+
+def failure_message(app: Any) -> str:
+    """An application's failure with its failed deployments' own messages (e.g. the replica's BundleError,
+    which names the damaged file): Serve's application message only says which deployments failed."""
+    parts = [app.message]
+    for name, dep in app.deployments.items():
+        if dep.status.value in ("DEPLOY_FAILED", "UNHEALTHY") and dep.message:
+            parts.append(f"deployment {name!r}: {dep.message[-1500:]}")
+    return "\n".join(parts)
+
+
+def urls(raw: dict[str, Any]) -> list[str]:
+    http = raw.get("http_options") or {}
+    host = http.get("host", "0.0.0.0")
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
+    out = []
+    for app in raw.get("applications", []):
+        prefix = (app.get("route_prefix") or "/").rstrip("/")
+        out += [f"{base}{prefix}{p}" for p in ("/v1/translate", "/v1/generate", "/v1/completions", "/v1/models",
+                                              "/v2/health/ready", "/metrics", "/docs")]
+    return out
+
+
+def stop(raw: dict[str, Any] | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Drain, then stop: with the deployed config `raw`, first `drain` (in-flight requests finish, new ones
+    get 503); then delete the applications (anything still running gets each deployment's
+    graceful_shutdown_timeout_s), then shut Serve and Ray down."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            if raw is not None:
+                try:
+                    if not drain(raw, drain_timeout_s):
+                        print(f"kvserve: requests still in flight after {drain_timeout_s:.0f}s of draining",
+                              file=sys.stderr, flush=True)
+                except Exception as e:  # a failed drain must not prevent the shutdown
+                    print(f"kvserve: drain failed ({e!r}); stopping anyway", file=sys.stderr, flush=True)
+            for name in list(serve.status().applications):
+                serve.delete(name, _blocking=True)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_config(config: str | Path = DEFAULT_CONFIG, artifacts: str | Path | None = None, host: str | None = None,
+                 port: int | None = None, num_cpus: int | None = None, dashboard: bool = False) -> int:
+    t0 = time.monotonic()
+    raw = prepare_config(config, artifacts, host, port)
+    started = False
+    try:
+        start(raw, num_cpus=num_cpus, dashboard=dashboard)
+        started = True
+        # After ray.init, which installs its own SIGTERM handler: `kill`, systemd and containers stop like Ctrl-C.
+        signal.signal(signal.SIGTERM, _interrupt)
+        print(f"kvserve: serving after {time.monotonic() - t0:.1f}s", flush=True)
+        for url in urls(raw):
+            print(f"  {url}", flush=True)
+        print("Ctrl-C stops the server (in-flight requests finish first).", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("kvserve: shutting down, draining in-flight requests...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        stop(raw if started else None)

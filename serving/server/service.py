@@ -1,0 +1,286 @@
+"""Text in, text out around one Engine: what a model replica serves, without Ray or HTTP.
+
+Owns: tokenizing prompts (with the bundle's tokenizer), the prompt-size limit, deadlines, streaming text
+through `IncrementalDecoder`, stop strings (held back while they might still match, the engine request
+cancelled the moment one appears), n-best decoding of beam hypotheses, usage and timings, per-request
+metrics from the engine's observers, and turning engine errors into `ServiceError` kinds.
+
+Does not own: HTTP statuses (serving/server/api.py maps `ErrorKind`), Ray (serving/server/app.py wraps this class in a
+deployment and, in request-level mode, passes a `@serve.batch` runner), or scheduling (serving/engine/engine.py).
+Everything that crosses a process boundary here (`TextRequest`, `TextResult`, `StreamPiece`,
+`ServiceError`) pickles.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from model.tokenizer import IncrementalDecoder, Tokenizer
+from serving.server.metrics import Recorder
+from serving.server.stops import StopMatcher
+from serving.engine.types import (AdmissionRejected, EngineDead, EngineError, FinishReason, GenerationRequest,
+                           InvalidRequest, RequestStats, SamplingParams, StepStats, TokenEvent)
+
+
+class ErrorKind(str, Enum):
+    INVALID = "invalid_request"  # -> 422
+    TOO_LARGE = "too_large"  # -> 413
+    OVERLOADED = "overloaded"  # -> 429 + Retry-After
+    DEADLINE = "deadline_exceeded"  # -> 504
+    UNAVAILABLE = "unavailable"  # -> 503
+    NOT_FOUND = "not_found"  # -> 404
+
+
+class ServiceError(Exception):
+    """A request that cannot be answered normally; `kind` decides the HTTP status (in serving/server/api.py)."""
+
+    def __init__(self, kind: ErrorKind, message: str, field: str | None = None,
+                 retry_after_s: float | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.message, self.field = kind, message, field
+        self.retry_after_s, self.reason = retry_after_s, reason
+
+    def __reduce__(self) -> tuple:  # pickles across Ray (Exception's default would lose the fields)
+        return ServiceError, (self.kind, self.message, self.field, self.retry_after_s, self.reason)
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    text: str
+    params: SamplingParams
+    deadline_wall: float  # time.time() after which the request fails with 504 (wall clock: crosses processes)
+    field: str = "prompt"  # the request field that holds `text`, for error messages
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class TextResult:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    total_s: float
+    n_best: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """One streamed piece of text: the text released after token `index` (may be '' while held back)."""
+    text: str
+    index: int
+
+
+class EngineLike(Protocol):
+    is_encoder_decoder: bool
+
+    def submit(self, req: GenerationRequest) -> Any: ...
+    def add_observer(self, on_step: Callable[[StepStats], None] | None,
+                     on_request: Callable[[RequestStats], None] | None) -> None: ...
+    def snapshot(self) -> dict: ...
+
+
+BatchRunner = Callable[[GenerationRequest], Awaitable[list[TokenEvent]]]
+
+
+class ModelService:
+    """Serves one model: `complete` (whole answer) and `stream` (pieces, then the TextResult)."""
+
+    def __init__(self, name: str, engine: EngineLike, tokenizer: Tokenizer, max_prompt_tokens: int,
+                 recorder: Recorder | None = None) -> None:
+        self.name, self.engine, self.tok = name, engine, tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.recorder = recorder
+        self.batch_runner: BatchRunner | None = None  # set by the deployment in request-level mode
+        self._stats: dict[str, RequestStats] = {}
+        engine.add_observer(self._on_step, self._on_request)
+
+    @property
+    def task(self) -> str:
+        return "translate" if self.engine.is_encoder_decoder else "generate"
+
+    # -- public API ---------------------------------------------------------------------------------
+    async def complete(self, req: TextRequest) -> TextResult:
+        result = None
+        async for item in self.stream(req):
+            if isinstance(item, TextResult):
+                result = item
+        assert result is not None, "stream ended without a result"
+        if result.finish_reason == FinishReason.DEADLINE.value:
+            raise ServiceError(ErrorKind.DEADLINE, f"request passed its deadline after {result.total_s:.2f}s "
+                               f"({result.completion_tokens} tokens generated)")
+        return result
+
+    async def stream(self, req: TextRequest) -> AsyncIterator[StreamPiece | TextResult]:
+        """Pieces of text as tokens arrive, then one TextResult. Raises ServiceError before the first piece."""
+        gen, started = self._prepare(req), time.monotonic()
+        matcher = StopMatcher(req.params.stop_strings)
+        decoder = IncrementalDecoder(self.tok)
+        text, index, ttft, finish, hyps, handle, done = "", 0, None, FinishReason.LENGTH, (), None, False
+        events = None
+        try:
+            events, handle = self._events(gen)
+            async for ev in events:
+                if ev.token_id is None:  # the final event
+                    done, finish, hyps = True, ev.finish_reason or FinishReason.STOP, ev.hypotheses
+                    if ev.error:
+                        raise ServiceError(ErrorKind.UNAVAILABLE, f"engine failed on this request: {ev.error}")
+                    break
+                ttft = ttft if ttft is not None else time.monotonic() - started
+                released, stopped = matcher.push(decoder.push(ev.token_id))
+                text += released
+                yield StreamPiece(released, index)
+                index += 1
+                if stopped:
+                    finish = FinishReason.STOP
+                    self._count_cancel("stop_string")
+                    break
+            if not matcher.stopped:  # the decoder may hold an incomplete character; the matcher, a prefix
+                rest = self.tok.decode(decoder.ids)[len(decoder.emitted):]
+                tail, stopped = matcher.push(rest) if rest else ("", False)
+                finish = FinishReason.STOP if stopped else finish
+                tail += "" if stopped else matcher.flush()
+                if tail:
+                    text += tail
+                    yield StreamPiece(tail, max(index - 1, 0))
+        except (GeneratorExit, asyncio.CancelledError):  # the caller went away (or gave up at the deadline)
+            self._count_cancel("deadline" if time.time() >= req.deadline_wall else "disconnect")
+            raise
+        finally:
+            if handle is not None and not done:  # stop string, client gone or error: free the slot now
+                _cancel_quietly(handle)
+            if events is not None:
+                await events.aclose()
+        yield self._result(gen, req, text, index, finish, hyps, ttft, started)
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _prepare(self, req: TextRequest) -> GenerationRequest:
+        remaining = req.deadline_wall - time.time()
+        if remaining <= 0:
+            raise ServiceError(ErrorKind.DEADLINE, "request deadline passed before it reached the model")
+        ids = self.tok.encode(req.text)
+        if len(ids) > self.max_prompt_tokens:
+            raise ServiceError(ErrorKind.TOO_LARGE, f"{req.field} has {len(ids)} tokens; the limit is "
+                               f"{self.max_prompt_tokens}. Shorten it.", field=req.field)
+        if not self.engine.is_encoder_decoder:
+            ids = [self.tok.bos_id] + ids  # an LM sequence starts with bos (model/decode.py)
+        elif not ids:
+            ids = [self.tok.pad_id]  # an empty source is one pad token, as export/evaluate.py encodes it
+        return GenerationRequest(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids,
+                                 params=req.params, deadline=time.monotonic() + remaining)
+
+    def _events(self, gen: GenerationRequest) -> tuple[AsyncIterator[TokenEvent], Any]:
+        """The request's events and its engine handle (None in request-level mode: the batch runs it)."""
+        if self.batch_runner is not None:
+            return self._batched_events(gen), None
+        try:
+            handle = self.engine.submit(gen)
+        except EngineError as e:
+            raise self._service_error(e, gen) from e
+        return handle.__aiter__(), handle
+
+    async def _batched_events(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        assert self.batch_runner is not None
+        try:
+            events = await self.batch_runner(gen)
+        except EngineError as e:
+            raise self._service_error(e, gen) from e
+        for ev in events:
+            yield ev
+
+    def _service_error(self, e: EngineError, gen: GenerationRequest) -> ServiceError:
+        # Overload is counted in kvserve_rejections_total by serving/server/api.py, together with Ray's own.
+        if isinstance(e, AdmissionRejected):
+            return ServiceError(ErrorKind.OVERLOADED, str(e), retry_after_s=e.retry_after_s, reason=e.reason)
+        if isinstance(e, InvalidRequest):
+            kind = ErrorKind.TOO_LARGE if e.too_large else ErrorKind.INVALID
+            return ServiceError(kind, str(e), field=_field_of(str(e), gen))
+        if isinstance(e, EngineDead):
+            return ServiceError(ErrorKind.UNAVAILABLE, f"model {self.name!r} is unavailable: {e}")
+        return ServiceError(ErrorKind.UNAVAILABLE, f"model {self.name!r} failed: {e}")
+
+    def _result(self, gen: GenerationRequest, req: TextRequest, text: str, n_tokens: int, finish: FinishReason,
+                hyps: tuple, ttft: float | None, started: float) -> TextResult:
+        if finish == FinishReason.DEADLINE and n_tokens == 0 and not hyps:
+            raise ServiceError(ErrorKind.DEADLINE, f"request passed its deadline "
+                               f"({time.monotonic() - started:.2f}s) before producing a token")
+        n_best: tuple[tuple[str, float], ...] = ()
+        if hyps:  # beam search: the best hypothesis is the answer
+            n_best = tuple((self.tok.decode(ids), float(score)) for ids, score in hyps[: req.params.n_best])
+            text, n_tokens = n_best[0][0], len([i for i in hyps[0][0] if i != self.tok.eos_id])
+            text = StopMatcher(req.params.stop_strings).trim(text)
+        stats = self._stats.pop(gen.request_id, None)
+        prompt_tokens = self._user_tokens(gen)
+        return TextResult(text=text, finish_reason=finish.value, prompt_tokens=prompt_tokens,
+                          completion_tokens=n_tokens, queue_s=stats.queue_wait if stats else None,
+                          ttft_s=ttft, total_s=time.monotonic() - started, n_best=n_best)
+
+    def _user_tokens(self, gen: GenerationRequest) -> int:
+        """Prompt tokens as the user counts them: without the bos or the pad of an empty source."""
+        if self.engine.is_encoder_decoder:
+            return 0 if gen.prompt_ids == [self.tok.pad_id] else len(gen.prompt_ids)
+        return len(gen.prompt_ids) - 1
+
+    def _count_cancel(self, reason: str) -> None:
+        if self.recorder:
+            self.recorder.inc("kvserve_cancellations_total", {"model": self.name, "reason": reason})
+
+    def _on_request(self, s: RequestStats) -> None:
+        self._stats[s.request_id] = s
+        if len(self._stats) > 10_000:  # stats of requests nobody collects (e.g. cancelled): drop the oldest
+            self._stats.pop(next(iter(self._stats)))
+        if self.recorder is None:
+            return
+        m, r = {"model": self.name}, self.recorder
+        r.inc("kvserve_prompt_tokens_total", m, s.prompt_tokens)
+        r.inc("kvserve_generated_tokens_total", m, s.generated_tokens)
+        r.observe("kvserve_queue_wait_seconds", m, s.queue_wait)
+        if s.time_to_first_token is not None:
+            r.observe("kvserve_time_to_first_token_seconds", m, s.time_to_first_token)
+        for gap in s.inter_token:
+            r.observe("kvserve_inter_token_latency_seconds", m, gap)
+        if s.finish_reason == FinishReason.DEADLINE:
+            self._count_cancel("deadline")
+
+    def _on_step(self, s: StepStats) -> None:
+        if self.recorder is None:
+            return
+        m, r = {"model": self.name}, self.recorder
+        r.observe("kvserve_engine_step_duration_seconds", m, s.duration)
+        r.observe("kvserve_engine_batch_size", m, s.batch_size)
+        self.record_gauges({"running": s.running, "waiting": s.waiting, "slots_used": s.slots_used,
+                            "slots_total": s.slots_total})
+
+    def record_gauges(self, snap: dict | None = None) -> None:
+        """Running/waiting/slot gauges from a step or `engine.snapshot()` (the deployment polls when idle)."""
+        if self.recorder is None:
+            return
+        snap = snap if snap is not None else self.engine.snapshot()
+        m = {"model": self.name}
+        for key, metric in (("running", "kvserve_running_requests"), ("waiting", "kvserve_waiting_requests"),
+                            ("slots_used", "kvserve_kv_slots_used"), ("slots_total", "kvserve_kv_slots_capacity")):
+            if key in snap:
+                self.recorder.set(metric, m, float(snap[key]))
+
+
+def _cancel_quietly(handle: Any) -> None:
+    try:
+        handle.cancel()
+    except Exception:  # the request already finished: nothing to cancel
+        pass
+
+
+def _field_of(message: str, gen: GenerationRequest) -> str:
+    """Best guess of the request field an engine InvalidRequest is about (the engine speaks in ids)."""
+    lowered = message.lower()
+    for key, fld in (("beam", "beam_size"), ("n_best", "n_best"), ("max_new_tokens", "max_tokens"),
+                     ("top_p", "top_p"), ("top_k", "top_k"), ("temperature", "temperature")):
+        if key in lowered:
+            return fld
+    return "prompt"
