@@ -12,8 +12,10 @@ Raw results go to ARTIFACTS/bench/ (one JSON per section, the load reports, the 
 CTranslate2 model); `--sections` re-runs some sections and renders the doc with the saved others (their
 dates are in the doc); a failed section is reported in the doc and makes the exit status 1.
 
+Measures nothing itself: each section's module does, and the doc's text is bench/report.py's. Does not
+measure training speed (`python -m bench.train_step`, run apart) or model quality (`kvserve evaluate`).
 Owns the plan (the default run fits in ~15 minutes on 2 cores; `--quick` is for tests), the artifacts it
-expects, the subprocess commands and the CLI. The doc's text is bench/report.py's.
+expects, the subprocess commands and the CLI.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ FLOPs per generated token, and how much of that peak the engine's ONNX Runtime d
   (the engine's ceiling: no scheduling, sampling or HTTP; timed by bench.engine.step_scaling), as
   FLOP/s; `step_scaling_of` the same step by rows and cached length (how batching's gain falls as contexts grow).
 
+Does not measure: what the engine adds around the step (scheduling, sampling: bench/engine.py) or HTTP
+(bench/http.py), GPU figures (every figure here is the CPU's), or FLOPs that do no useful work (padding,
+masked attention positions are not counted).
 Owns only these measurements and counts; the doc is bench/report.py's, orchestration bench/cli.py's.
 """
 from __future__ import annotations

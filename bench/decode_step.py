@@ -9,9 +9,11 @@ alternated within every iteration (the order rotates), so a noisy shared machine
 the figures are medians, and the headline is the ratio PyTorch / backend (> 1 = faster than PyTorch).
 PyTorch runs `model.step` under inference_mode with the same thread count as ONNX Runtime.
 
+Does not measure: prefill or encoding, the engine around the step (scheduling, sampling: bench/engine.py),
+HTTP (bench/http.py), or quality (an int8 bundle's quality change is measured at export).
 Owns: the measurement and its report (JSON, or a markdown table for docs/benchmarks.md; `markdown` is the one
 renderer of that table, torch-free to import: bench/report.py embeds it).
-Does not own: end-to-end serving benchmarks (loadtest/), the runtime (serving/engine/runtime.py).
+Does not own: the runtime (serving/engine/runtime.py).
 """
 from __future__ import annotations
 

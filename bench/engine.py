@@ -19,6 +19,8 @@ all hold C cached tokens (medians over repetitions; one block per row count, the
 and the gain per row of R rows over one. Decode attention
 streams every row's cached keys and values, so the gain shrinks as contexts grow.
 
+Does not measure: HTTP, Ray Serve's proxy and replicas (bench/http.py), streaming to clients, or output
+quality (eos is ignored; the token ids are random).
 Owns the benchmark only; the engine is serving/engine/engine.py. Absolute figures depend on the machine: compare
 the ratios.
 """
@@ -37,7 +39,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from serving.engine.engine import Engine, EngineConfig
+from serving.engine.config import EngineConfig
+
+from serving.engine.engine import Engine
 from serving.engine.types import BatchingMode, GenerationRequest, RequestStats, SamplingParams, StepStats
 
 if TYPE_CHECKING:

@@ -14,6 +14,9 @@ Phases "open-a" and "open-b": Poisson arrivals at `rate_fraction` x the closed-l
 request-level batching (a load both batching modes should carry) and of continuous batching (the capacity
 of the server as shipped); same alternation. Figures per mode are medians over rounds.
 
+Does not measure: more than one replica (the modes are compared on the one replica), translation, or the
+engine without the HTTP path (bench/engine.py); the load generator shares the machine, and its own lag is
+in each run's load report.
 Owns the server's bench config, the mode switching and the phases. The load itself is loadtest/'s, the
 doc is bench/report.py's.
 """

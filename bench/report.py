@@ -3,7 +3,7 @@
 `render(sections, machine, plan, invocation, elapsed_s)` is a pure function of the saved results (tested on
 fixture data), so the doc can be rendered again without measuring (`kvserve bench --render-only`). The
 sentences that interpret the figures are computed from them (`http_verdict`, ...): they say what the
-numbers say, whichever way they fall. Owns the wording and layout only; nothing here measures.
+numbers say, whichever way they fall. Measures nothing: owns the wording and layout only.
 """
 from __future__ import annotations
 

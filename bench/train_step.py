@@ -1,14 +1,14 @@
 """Time one training step of a preset, A/B: the project's CPU dropout vs torch's nn.Dropout (bernoulli_),
 fused vs per-parameter AdamW, dropout on the attention weights and ReLU outputs (as `dropout`) vs none
-(the translation preset since session 8), and the fused label-smoothed loss (model/loss.py) vs torch's
-cross_entropy. The variants alternate in one process (medians over rounds), so the
-machine's noise hits them alike; compare the ratios.
+(as the small translation preset has it), and the fused label-smoothed loss (model/loss.py) vs torch's
+cross_entropy. The variants alternate in one process (medians over rounds), so the machine's noise hits
+them alike; compare the ratios.
 
     python -m bench.train_step --preset small --task translate --pairs 90 --threads 2
 
-Owns the measurement only. The step and optimizer are model/train.py's (`train_step`, `make_optimizer`, the
-recipe's bf16 autocast and label smoothing) on random token ids; the attention dropout inside
-scaled_dot_product_attention is torch's wherever it is on.
+Owns the measurement only. The step and optimizer are model/step.py's (`train_step`, `make_optimizer`), with
+the recipe's bf16 autocast and label smoothing (model/train_config.py), on random token ids; the attention
+dropout inside scaled_dot_product_attention is torch's wherever it is on.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import torch
 from model.config import preset
 from model.cpu_memory import keep_freed_memory
 from model.loss import smoothed_cross_entropy, torch_cross_entropy
-from model.train import make_optimizer, recipe, train_step
+from model.step import make_optimizer, train_step
+from model.train_config import recipe
 from model.transformer import Dropout, build_model
 
 VARIANTS = {  # name: (project dropout, fused AdamW, dropout on attention weights and ReLU outputs, fused loss)
@@ -76,7 +77,8 @@ def bench(task: str = "translate", preset_name: str = "small", pairs: int = 90, 
     med = {name: statistics.median(v) for name, v in times.items()}
     base = med["torch dropout, AdamW"]
     return {"models": {name: model for name, (model, _, _) in runs.items()}, "task": task, "preset": preset_name,
-            "pairs": pairs, "tokens": tokens, "threads": torch.get_num_threads(), "rounds": rounds, "step_ms": {k: round(v, 1) for k, v in med.items()},
+            "pairs": pairs, "tokens": tokens, "threads": torch.get_num_threads(), "rounds": rounds,
+            "step_ms": {k: round(v, 1) for k, v in med.items()},
             "speedup_vs_torch_dropout": {k: round(base / v, 2) for k, v in med.items()}}
 
 

@@ -10,6 +10,8 @@ The systems alternate within every round (the order flips each round), the figur
 rounds, and the outputs are compared token for token (% identical) and, where the test split gives
 references, scored with chrF.
 
+Does not measure: HTTP or Ray Serve (bench/http.py), beam search (both decode greedily), or quality beyond
+the share of identical outputs and chrF against the references.
 Owns this comparison only. The CTranslate2 model is converted by `kvserve export --format ctranslate2`
 (export/ctranslate2_convert.py, run by bench/cli.py as a subprocess); no torch here.
 """
@@ -126,7 +128,8 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
     import ctranslate2
 
     from model.tokenizer import Tokenizer
-    from serving.engine.engine import Engine, EngineConfig
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
 
     slots = max(concurrencies)
     engine = Engine.from_bundle(bundle, EngineConfig(max_slots=slots, max_waiting=4 * slots, provider="cpu",

@@ -5,6 +5,10 @@ decoder starts from bos; LM: a prompt starts with bos), greedy decoding over any
 ModelRuntime interface (`encode`/`step`, so PyTorch and ORT decode through the same loop), bits per
 character by teacher-forced single-token steps, and `evaluate_bundle` (chrF/BLEU or bits per char).
 
+The runtime is injected: `evaluate_bundle` takes a `RuntimeFactory` (bundle, slots) -> StepRuntime, which
+the composition roots build (kvserve/runtime.py `ort_runtime`: ONNX Runtime sessions), because serving
+reads the bundle format from export and export must not import serving back.
+
 TORCH-FREE. Does not own: the runtime (serving/engine/runtime.py), data splits (model/data.py), the PyTorch
 evaluation of checkpoints (model/).
 """
@@ -14,15 +18,19 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from export.bundle import Bundle
 
 DEFAULT_DATA_DIR = "artifacts/data"
 
 
 class StepRuntime(Protocol):
     """What greedy decoding needs: serving.engine.runtime.ModelRuntime, and export.parity.TorchRuntime."""
+    provider: str  # where it runs, for reports: an ONNX Runtime execution provider, or "pytorch"
     is_encoder_decoder: bool
     n_slots: int
     max_len: int
@@ -33,6 +41,10 @@ class StepRuntime(Protocol):
     def encode(self, start: int, sources: list[list[int]]) -> None: ...
 
     def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray) -> np.ndarray: ...
+
+
+# Builds the runtime of a loaded bundle with that many slots (rows decoded at once).
+RuntimeFactory = Callable[["Bundle", int], StepRuntime]
 
 
 def source_ids(tok: Any, text: str, max_src_len: int) -> list[int]:
@@ -141,19 +153,19 @@ def translate_texts(rt: StepRuntime, tok: Any, sources: list[str], batch_size: i
     return out
 
 
-def evaluate_bundle(bundle_dir: str | Path, split: str = "test", limit: int | None = None,
-                    data_dir: str | Path = DEFAULT_DATA_DIR, provider: str = "auto",
-                    threads: int | None = None, batch_size: int = 16) -> dict[str, Any]:
-    """Evaluate a bundle through ONNX Runtime: chrF/BLEU of greedy translations (first `limit` pairs of the
-    split) or bits per character (first `limit` characters, default the whole split)."""
+def evaluate_bundle(bundle_dir: str | Path, make_runtime: RuntimeFactory, split: str = "test",
+                    limit: int | None = None, data_dir: str | Path = DEFAULT_DATA_DIR,
+                    batch_size: int = 16) -> dict[str, Any]:
+    """Evaluate a bundle through the runtime `make_runtime(bundle, batch_size)` builds (ONNX Runtime for
+    `kvserve evaluate`): chrF/BLEU of greedy translations (first `limit` pairs of the split) or bits per
+    character (first `limit` characters, default the whole split)."""
     from export.bundle import load_bundle
     from model import data
     from model.tokenizer import Tokenizer
-    from serving.engine.runtime import ModelRuntime
 
     bundle = load_bundle(bundle_dir)
     tok = Tokenizer.load(bundle.tokenizer_path)
-    rt = ModelRuntime(bundle, n_slots=batch_size, provider=provider, intra_op_threads=threads)
+    rt = make_runtime(bundle, batch_size)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"bundle": str(bundle_dir), "task": bundle.task, "variant": bundle.variant.value,
                               "split": split, "provider": rt.provider}

@@ -5,17 +5,14 @@ the same greedy loop of export/evaluate.py), the lockstep check (both backends f
 tokens: logits max-abs at every step, and the first step where the bundle's own argmax would differ, i.e.
 whether its greedy output is identical), synthetic parity at export time (random token ids, batch sizes and
 lengths other than the traced ones, right-padded mixed-length batches), and the full-size check on real
-data:
+data (`real_parity`; its command line is kvserve/parity.py: `python -m kvserve.parity BUNDLE CHECKPOINT`).
 
-    python -m export.parity BUNDLE CHECKPOINT --sentences 200     # prints JSON
-
+The runtime under test is given (a built runtime, or a `RuntimeFactory` for `real_parity`): the composition
+roots (kvserve/, tests, bench/) build serving's ModelRuntime, since export must not import serving.
 Does not own: the runtime (serving/engine/runtime.py), evaluation metrics (export/evaluate.py).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.evaluate import (DEFAULT_DATA_DIR, StepRuntime, greedy_decode, lm_chunks, nll_bits, prompt_ids,
-                             scores, source_ids, start_batch, translate_texts)
+from export.evaluate import (RuntimeFactory, StepRuntime, greedy_decode, lm_chunks, nll_bits, prompt_ids, scores,
+                             source_ids, start_batch, translate_texts)
 from model.transformer import DecoderOnlyLM, EncoderDecoder
 
 FP32_TOLERANCE = 1e-4  # max-abs logits difference accepted for the fp32 variant
@@ -34,6 +31,7 @@ LM_PARITY_CHARS = 50_000  # test-split characters scored by both backends for th
 
 class TorchRuntime:
     """The PyTorch model (eager, KV cache) with ModelRuntime's encode/step interface."""
+    provider = "pytorch"
 
     def __init__(self, model: EncoderDecoder | DecoderOnlyLM, n_slots: int, special_ids: dict[str, int]) -> None:
         self.model, self.n_slots, self.cfg = model.eval(), n_slots, model.cfg
@@ -123,17 +121,17 @@ def synthetic_parity(model: EncoderDecoder | DecoderOnlyLM, rt: StepRuntime, spe
             "rows_greedy_identical": sum(r["rows_greedy_identical"] for r in results), "batches": results}
 
 
-def real_parity(bundle_dir: Path, checkpoint_dir: Path, n: int, data_dir: str, batch_size: int = 16,
-                steps: int = 20, provider: str = "auto", threads: int | None = None) -> dict[str, Any]:
-    """Full-size parity on the test split: lockstep logits, identical greedy outputs, quality delta."""
+def real_parity(bundle_dir: Path, checkpoint_dir: Path, n: int, data_dir: str | Path,
+                make_runtime: RuntimeFactory, batch_size: int = 16, steps: int = 20) -> dict[str, Any]:
+    """Full-size parity on the test split of the runtime `make_runtime(bundle, batch_size)` builds against
+    the checkpoint in PyTorch: lockstep logits, identical greedy outputs, quality delta."""
     from export.bundle import load_bundle
     from model import data
     from model.checkpoint import load_checkpoint
-    from serving.engine.runtime import ModelRuntime
 
     bundle, ckpt = load_bundle(bundle_dir), load_checkpoint(checkpoint_dir)
     tok = ckpt.tokenizer
-    rt = ModelRuntime(bundle, batch_size, provider=provider, intra_op_threads=threads)
+    rt = make_runtime(bundle, batch_size)
     ref = TorchRuntime(ckpt.model, batch_size, tok.special_ids)
     t0 = time.perf_counter()
     out: dict[str, Any] = {"bundle": str(bundle_dir), "checkpoint": str(checkpoint_dir), "task": bundle.task,
@@ -178,30 +176,3 @@ def _greedy_equality(ref: StepRuntime, rt: StepRuntime, inputs: list[list[int]],
     same = sum(x == y for x, y in zip(a, b))
     return {"inputs": len(inputs), "max_new_tokens": budget, "identical": same,
             "identical_fraction": round(same / max(len(inputs), 1), 4)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.parity",
-                                description="Parity of a bundle against its PyTorch checkpoint on the test split; "
-                                            "prints JSON.")
-    p.add_argument("bundle", type=Path, help="bundle directory (kvserve export --out)")
-    p.add_argument("checkpoint", type=Path, help="checkpoint directory the bundle was exported from")
-    p.add_argument("--sentences", type=int, default=200, help="test sentences (translation) or prompts (LM)")
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="data directory of `kvserve data`")
-    p.add_argument("--steps", type=int, default=20, help="lockstep decode steps per row")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--provider", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default 1)")
-    a = p.parse_args(argv)
-    if a.sentences < 1 or a.batch_size < 1 or a.steps < 1:
-        p.error(f"--sentences, --batch-size and --steps must be >= 1 (got {a.sentences}, {a.batch_size}, {a.steps})")
-    torch.set_num_threads(a.threads or 1)
-    result = real_parity(a.bundle, a.checkpoint, a.sentences, a.data_dir, a.batch_size, a.steps, a.provider,
-                         a.threads)
-    json.dump(result, sys.stdout, indent=2)
-    print()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -52,8 +52,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if (path / "manifest.json").is_file():
         from export.evaluate import evaluate_bundle
+        from kvserve.runtime import ort_runtime
 
-        result = evaluate_bundle(path, split=args.split, limit=args.limit, data_dir=args.data_dir)
+        result = evaluate_bundle(path, ort_runtime(), split=args.split, limit=args.limit, data_dir=args.data_dir)
     else:
         from model.evaluate import evaluate_checkpoint
 
@@ -72,7 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_data, _add_train, _add_evaluate, _add_up):
+        add(sub)
+    # Subcommands whose parser lives with their code; one whose module is not installed is left out.
+    for module in ("kvserve.export", "kvserve.serve", "loadtest.cli", "bench.cli"):
+        _register(sub, module)
+    return p
 
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("data", help="fetch, clean and split the training data",
                        description="Download (once), clean, deduplicate and split the data deterministically: "
                                    "English->German example sentences of Debian's dict-freedict-deu-eng (the "
@@ -90,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "~0.94 GB of Debian packages, of which 12 MB of catalogs are kept)")
     d.set_defaults(func=_cmd_data)
 
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a model (needs torch: pip install 'kvserve[train]')",
                        description="Train the Transformer: AdamW, warmup + cosine decay, label smoothing, gradient "
                                    "clipping, validation, checkpoints, --resume, loss curve PNG and metrics JSON.")
@@ -108,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out exactly")
     t.set_defaults(func=_cmd_train)
 
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("evaluate", help="test-split quality of a checkpoint or a bundle",
                        description="Prints JSON: chrF and BLEU (greedy) for translation, bits per character for "
                                    "the LM. A checkpoint runs through PyTorch, a bundle through ONNX Runtime.")
@@ -117,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data-dir", default="artifacts/data")
     e.set_defaults(func=_cmd_evaluate)
 
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("up", help="data, train and export if missing, then serve (what `make serve` runs)",
                        description="Prepare data, train the default models and export bundles when they do not "
                                    "exist yet, then serve both models with Ray Serve on http://127.0.0.1:8000.")
@@ -125,15 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--preset", default="small", choices=("tiny", "small", "base"))
     u.set_defaults(func=_cmd_up)
 
-    for module in ("kvserve.export", "serving.server.launch", "loadtest.cli", "bench.cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # the module exists but needs something not installed
-                raise
-            continue
-        mod.register(sub)
-    return p
+
+def _register(sub: argparse._SubParsersAction, module: str) -> None:
+    """`module.register(sub)`, unless the module is not installed (a module that is there but needs a
+    package that is not installed is an error worth seeing)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        return
+    mod.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,9 @@ place only once it passed, so a failed export never leaves a half-written bundle
 (file sizes, parity, timings).
 
 Owns: the export pipeline and its report, `register(subparsers)` for kvserve/cli.py. Torch is imported
-inside the command (this module is imported by `kvserve --help` on torch-free installs). `kvserve evaluate
-BUNDLE` is export/evaluate.evaluate_bundle.
+inside the command (this module is imported by `kvserve --help` on torch-free installs). The parity checks
+run the bundle through serving's ONNX Runtime (kvserve/runtime.py), injected into export/parity.py.
+`kvserve evaluate BUNDLE` is export/evaluate.evaluate_bundle.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from export.bundle import Variant, load_bundle, write_manifest
 from export.contract import TOKENIZER_FILE
-from export.evaluate import DEFAULT_DATA_DIR, evaluate_bundle  # noqa: F401  (re-exported for the lead's CLI)
+from export.evaluate import DEFAULT_DATA_DIR
 
 DEFAULT_OPSET = 24
 PARITY_SLOTS = 8
@@ -118,8 +119,8 @@ def _validate(work: Path, ckpt: Any, variant: Variant, checkpoint: Path, check_s
     """Synthetic lockstep parity (always; fp32 must be within FP32_TOLERANCE with identical greedy tokens),
     then real-data parity and quality delta when asked for and the data exists."""
     from export.parity import FP32_TOLERANCE, real_parity, synthetic_parity
+    from kvserve.runtime import ort_runtime
     from model import data
-    from serving.engine.runtime import ModelRuntime
 
     bundle = load_bundle(work)
     parity: dict[str, Any] = {"tolerance": FP32_TOLERANCE if variant is Variant.FP32 else None}
@@ -127,7 +128,7 @@ def _validate(work: Path, ckpt: Any, variant: Variant, checkpoint: Path, check_s
     # "synthetic_cpu_portable": decoder.onnx on the CPU EP, when it is not that graph
     graphs = {"synthetic_cpu": None, **({"synthetic_cpu_portable": "decoder"} if "decoder_cpu" in bundle.paths else {})}
     for key, graph in graphs.items():
-        rt = ModelRuntime(bundle, PARITY_SLOTS, provider="cpu", decoder_graph=graph)
+        rt = ort_runtime(provider="cpu", decoder_graph=graph)(bundle, PARITY_SLOTS)
         syn = synthetic_parity(ckpt.model, rt, ckpt.tokenizer.special_ids)
         syn.pop("batches")
         syn["graph"] = rt.decoder_graph
@@ -140,7 +141,7 @@ def _validate(work: Path, ckpt: Any, variant: Variant, checkpoint: Path, check_s
         parity[key] = syn
     n = (0 if variant is Variant.FP32 else 200) if check_sentences is None else check_sentences
     if n > 0 and data.is_prepared(Path(data_dir), ckpt.task):
-        real = real_parity(work, checkpoint, n, data_dir, provider="cpu")
+        real = real_parity(work, checkpoint, n, data_dir, ort_runtime(provider="cpu"))
         parity["test_split_cpu"] = {k: real[k] for k in ("lockstep", "greedy", "quality")}
     elif n > 0:
         parity["test_split_cpu"] = None

@@ -32,7 +32,7 @@ def _run(cmd: list[str], what: str) -> None:
 
 def _train_missing(art: Path, tasks: list[str], preset: str) -> None:
     """Train the missing models one after the other, each on both cores with its own time budget
-    (`model/train.py` RECIPES: 19 + 10 minutes). Measured here (bf16): a run alone on two cores makes 3.1
+    (`model/train_config.py` RECIPES: 19 + 10 minutes). Measured here (bf16): a run alone on two cores makes 3.1
     steps/s, each of two runs at once on one core 2.2, so one at a time trains each model more."""
     for task in tasks:
         out = art / "ckpt" / task

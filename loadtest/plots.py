@@ -1,32 +1,29 @@
 """PNG pictures of a load test: the latency distributions, and throughput and latency over time.
 
 Draws on `matplotlib.figure.Figure` objects directly (no pyplot, so no global backend or figure state
-is touched in the caller's process and no display is needed). Owns only drawing; the numbers come
-from the `Report` (loadtest/report.py).
+is touched in the caller's process and no display is needed). Owns only drawing: it is given the request
+records, the timeline (loadtest/stats.py) and the run's config dict, and knows nothing of the `Report`
+(loadtest/report.py calls it from `Report.write`).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
-from loadtest.stats import metric_samples
-
-if TYPE_CHECKING:
-    from loadtest.report import Report
-
-PANELS = (("ttft", "Time to first token"), ("tpot", "Time per output token"),
-          ("itl", "Inter-token latency"), ("e2e", "End-to-end latency"))
+from loadtest.client import RequestRecord
+from loadtest.stats import METRIC_TITLES, metric_samples
 
 
-def plot_latency(report: "Report", path: Path) -> None:
-    """Four panels: histogram + empirical CDF of each latency metric, p50/p99 marked."""
-    ok = [r for r in report.records if r.ok and not r.warmup]
+def plot_latency(records: Sequence[RequestRecord], config: dict[str, Any], path: Path) -> None:
+    """Four panels: histogram + empirical CDF of each latency metric (measured successes), p50/p99 marked."""
+    ok = [r for r in records if r.ok and not r.warmup]
     fig = Figure(figsize=(11, 7))
     axes = fig.subplots(2, 2)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, METRIC_TITLES.items()):
         values = np.asarray(metric_samples(ok, key)) * 1000.0
         ax.set_title(title)
         ax.set_xlabel("ms")
@@ -45,14 +42,14 @@ def plot_latency(report: "Report", path: Path) -> None:
             v = float(np.percentile(values, p))
             ax.axvline(v, color="black", linestyle=style, label=f"p{p} {v:.1f} ms")
         ax.legend(loc="center right", fontsize=8)
-    fig.suptitle(_title(report))
+    fig.suptitle(_title(config))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
-def plot_timeline(report: "Report", path: Path) -> None:
-    """Top: completed requests/s, output tokens/s, 429s and errors; bottom: e2e p50/p99 and TTFT p50."""
-    tl = report.timeline
+def plot_timeline(tl: dict[str, list], measure_start: float, config: dict[str, Any], path: Path) -> None:
+    """Top: completed requests/s, output tokens/s, 429s and errors; bottom: e2e p50/p99 and TTFT p50.
+    `tl` is loadtest/stats.py `timeline`; the warm-up (before `measure_start` seconds) is shaded."""
     fig = Figure(figsize=(11, 7))
     top, bottom = fig.subplots(2, 1, sharex=True)
     if tl.get("t"):
@@ -69,14 +66,14 @@ def plot_timeline(report: "Report", path: Path) -> None:
             if not np.all(np.isnan(ys)):
                 bottom.plot(t, ys, marker=".", label=label)
     for ax in (top, bottom):
-        if report.measure_start > 0:
-            ax.axvspan(0, report.measure_start, color="grey", alpha=0.15, label="warm-up")
+        if measure_start > 0:
+            ax.axvspan(0, measure_start, color="grey", alpha=0.15, label="warm-up")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper left", fontsize=8)
     top.set_ylabel(f"per second ({tl.get('bin_s', 0):g} s bins)")
     bottom.set_ylabel("latency (ms), by completion time")
     bottom.set_xlabel("seconds since start")
-    fig.suptitle(_title(report))
+    fig.suptitle(_title(config))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -89,7 +86,6 @@ def _bins(values: np.ndarray) -> dict:
     return {"bins": min(50, max(5, values.size // 4))}
 
 
-def _title(report: "Report") -> str:
-    c = report.config
+def _title(c: dict[str, Any]) -> str:
     load = f"rate {c['rate']:g}/s" if c["mode"] == "open" else f"concurrency {c['concurrency']}"
     return f"{c['workload']} · {c['mode']} loop, {load} · {c['url']}"

@@ -16,9 +16,6 @@ from loadtest.client import RequestRecord
 from loadtest.config import SLO
 from loadtest.slo import SLOResult, all_met, evaluate
 
-LATENCY_LABELS = {"ttft": "Time to first token", "tpot": "Time per output token",
-                  "itl": "Inter-token latency", "e2e": "End-to-end latency"}
-
 
 @dataclass
 class Report:
@@ -117,7 +114,7 @@ class Report:
     def _latency_md(self) -> list[str]:
         out = ["## Latency (successful measured requests)", "", "| metric | n | p50 | p90 | p99 | mean | max |",
                "| --- | --- | --- | --- | --- | --- | --- |"]
-        for key, label in LATENCY_LABELS.items():
+        for key, label in stats.METRIC_TITLES.items():
             s = self.latency[key]
             out.append(f"| {label} ({key}) | {s['n']} | " + " | ".join(
                 _ms(s[k]) for k in ("p50", "p90", "p99", "mean", "max")) + " |")
@@ -178,8 +175,8 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / "report.json", "markdown": out / "report.md", "requests": out / "requests.jsonl",
                  "latency_png": out / "latency.png", "timeline_png": out / "timeline.png"}
-        plot_latency(self, paths["latency_png"])
-        plot_timeline(self, paths["timeline_png"])
+        plot_latency(self.records, self.config, paths["latency_png"])
+        plot_timeline(self.timeline, self.measure_start, self.config, paths["timeline_png"])
         paths["json"].write_text(self.to_json() + "\n", encoding="utf-8")
         paths["markdown"].write_text(self.to_markdown({"Latency distribution": "latency.png",
                                                        "Throughput and latency over time": "timeline.png"}),

@@ -18,6 +18,8 @@ from loadtest.client import RequestRecord
 from loadtest.config import SLO
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
+METRIC_TITLES = {"ttft": "Time to first token", "tpot": "Time per output token", "itl": "Inter-token latency",
+                 "e2e": "End-to-end latency"}  # the report's and the plots' name of each metric
 PERCENTILES = (50, 90, 99)
 
 

@@ -1,13 +1,16 @@
 """What the load tester sends: inputs from the held-out test split and the JSON body of each endpoint.
 
-Translation sentences come from `model.data.load_pairs(data_dir, "test")` and generation prompts are cut
-from `model.data.load_text(data_dir, "test")`; when the data directory has not been prepared a small
-built-in list of English sentences is used and the report says so. Request i always gets the same input
+Translation sentences are the English side of the prepared test split (`DATA_DIR/translate/test.tsv`,
+`source<TAB>target` per line) and generation prompts are cut at line starts from `DATA_DIR/generate/test.txt`,
+the files `kvserve data` writes (model/data.py owns that format; the load tester reads the files itself, so
+it imports nothing of the model's code); when the data directory has not been prepared a small built-in
+list of English sentences is used and the report says so. Request i always gets the same input
 and sampling seed for a given run seed, whatever the order in which requests are sent. Sending and
 parsing answers is loadtest/client.py's business.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,22 +59,38 @@ def load_inputs(workload: Workload, data_dir: Path) -> Inputs:
     """Test-split sentences or prompts; the built-in sentences if `data_dir` has not been prepared."""
     task = "translate" if workload is Workload.TRANSLATE else "generate"
     try:
-        from model import data  # torch-free; imported late so a missing module reads as "no data"
-    except ImportError as e:  # pragma: no cover - model/ ships with the package
-        return _fallback(f"model.data is not importable ({e})")
-    try:
         if workload is Workload.TRANSLATE:
-            texts = [en for en, _ in data.load_pairs(data_dir, "test") if en.strip()]
+            texts = [en for en in read_test_sources(data_dir) if en.strip()]
             what = "English side of"
         else:
-            texts = [p for p in data.lm_prompts(data.load_text(data_dir, "test"), N_PROMPTS, PROMPT_CHARS)
-                     if p.strip()]
+            texts = [p for p in read_test_prompts(data_dir, N_PROMPTS, PROMPT_CHARS) if p.strip()]
             what = f"{PROMPT_CHARS}-character prompts cut from"
-    except (OSError, data.DataError) as e:
+    except OSError as e:
         return _fallback(f"{data_dir}/{task} is not prepared ({e})")
     if not texts:
         return _fallback(f"{data_dir}/{task} test split is empty")
     return Inputs(tuple(texts), f"{len(texts)} {what} {data_dir}/{task} test split", False)
+
+
+def read_test_sources(data_dir: Path) -> list[str]:
+    """The source (English) side of `DATA_DIR/translate/test.tsv`, in file order."""
+    with open(_prepared(Path(data_dir) / "translate" / "test.tsv", "translate"), encoding="utf-8") as f:
+        return [line.rstrip("\n").split("\t", 1)[0] for line in f if line.strip()]
+
+
+def read_test_prompts(data_dir: Path, n: int, chars: int) -> list[str]:
+    """`n` prompts of at most `chars` characters cut at evenly spaced line starts of the generation test text
+    (the prompts model/data.py `lm_prompts` cuts for evaluation; tests/test_loadtest.py checks they agree)."""
+    text = _prepared(Path(data_dir) / "generate" / "test.txt", "generate").read_text(encoding="utf-8")
+    starts = [m.start() for m in re.finditer(r"(?m)^\S", text)]
+    step = max(1, len(starts) // max(n, 1))
+    return [text[s: s + chars].rsplit(" ", 1)[0] for s in starts[::step][:n]]
+
+
+def _prepared(path: Path, task: str) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run `kvserve data --task {task} --out {path.parent.parent}`")
+    return path
 
 
 def _fallback(why: str) -> Inputs:

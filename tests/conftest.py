@@ -1,8 +1,9 @@
 """Fixtures shared by the suites that run a real local Ray Serve cluster (all slow-marked).
 
-- `bundles`: tiny random bundles (translate, generate) exported once per session with export's own functions.
-- `ray_cluster`: ONE local Ray instance per test session for tests/test_server_integration.py and the
-  reliability suites (test_reliability.py, test_fuzz.py, test_security.py). Each suite deploys its own Serve
+- `bundles`: tiny random bundles (translate, generate) exported once per test run with export's own functions.
+- `server` / `client`: the integration suites' application (tests/integration_cluster.py) and an HTTP client.
+- `ray_cluster`: ONE local Ray instance per test run for tests/test_server_integration.py and the
+  reliability suites (test_reliability.py, test_reliability_admission.py, test_fuzz.py, test_security.py). Each suite deploys its own Serve
   application with `serving.server.launch.start`, which replaces the application deployed before (a Serve config
   is declarative), so suites take turns on one cluster instead of paying for a new one each. Serve's HTTP
   port is chosen once here, because Serve keeps the port it started with. Before Ray starts, the
@@ -45,7 +46,7 @@ def bundles(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """{"port": Serve's HTTP port, "api_key": the key in API_KEY_ENV}; Serve and Ray stop at the session's end."""
+    """{"port": Serve's HTTP port, "api_key": the key in API_KEY_ENV}; Serve and Ray stop at the test run's end."""
     import ray
     from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
     from serving.server.launch import stop
@@ -72,3 +73,26 @@ def rel(reliability_app):
     """`reliability_app`, deployed again first if another suite's application replaced it."""
     reliability_app.ensure_running()
     return reliability_app
+
+
+@pytest.fixture(scope="session")
+def server(bundles, ray_cluster):
+    """This suite's application on the test run's Ray cluster (tests/conftest.py: `bundles`, `ray_cluster`)."""
+    import yaml
+    from integration_cluster import integration_config
+    from serving.server.launch import prepare_config, start
+
+    path = bundles / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(integration_config(bundles, ray_cluster["port"])))
+    raw = prepare_config(path)
+    start(raw, timeout_s=300)
+    base = f"http://127.0.0.1:{raw['http_options']['port']}"
+    yield {"base": base, "raw": raw, "art": bundles}
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import httpx
+
+    with httpx.Client(base_url=server["base"], timeout=60) as c:
+        yield c

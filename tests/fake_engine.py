@@ -1,6 +1,6 @@
 """A scripted stand-in for serving.engine.engine.Engine, for unit tests of the HTTP/service layers (not the engine).
 
-It follows the engine interface (submit / cancel / run_batch / add_observer / snapshot, RequestHandle
+It follows the engine interface (submit / cancel / add_observer / snapshot, RequestHandle
 iteration, stats to observers) and lets a test dictate what the engine does: the reply tokens, a delay per
 token, when it refuses (capacity -> AdmissionRejected), and prompts it rejects as too long. It records
 which requests were cancelled, so tests can check that the API layer frees engine work (stop strings,
@@ -52,11 +52,12 @@ class FakeEngine:
         if len(self.active) >= self.capacity:
             raise AdmissionRejected("queue_full", 2.0)
         if req.params.beam_size > 1 and not self.is_encoder_decoder:
-            raise InvalidRequest(f"beam_size={req.params.beam_size}: beam search is for translation models")
+            raise InvalidRequest(f"beam_size={req.params.beam_size}: beam search is for translation models",
+                                 field="beam_size")
         if len(req.prompt_ids) + req.params.max_new_tokens > self.max_len:
             raise InvalidRequest(f"prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
                                  f"{req.params.max_new_tokens} exceeds the KV cache of {self.max_len}",
-                                 too_large=True)
+                                 field="max_new_tokens", too_large=True)
         handle = FakeHandle(self, req)
         self.active[req.request_id] = handle
         self.submitted.append(req)
@@ -67,13 +68,6 @@ class FakeEngine:
         if handle is not None and not handle.cancelled:
             handle.cancelled = True
             self.cancelled.append(request_id)
-
-    async def run_batch(self, reqs: list[GenerationRequest]) -> list[list[TokenEvent]]:
-        handles = [self.submit(r) for r in reqs]  # (the real engine admits all or none; enough here)
-
-        async def collect(h: FakeHandle) -> list[TokenEvent]:
-            return [e async for e in h]
-        return list(await asyncio.gather(*(collect(h) for h in handles)))
 
     def add_observer(self, on_step, on_request) -> None:
         self.observers.append((on_step, on_request))

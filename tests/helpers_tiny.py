@@ -80,7 +80,7 @@ _CHECKPOINTS: dict[str, Path] = {}
 
 
 def tiny_bundle(base: Path, task: str, variant: str = "fp32") -> Path:
-    """A verified bundle of the session's tiny checkpoint of `task`, built once per test session
+    """A verified bundle of the test run's tiny checkpoint of `task`, built once per test session
     (read-only: copy it with copy_bundle before changing anything). All variants of a task share one
     checkpoint."""
     from export.bundle import Variant

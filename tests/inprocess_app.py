@@ -17,7 +17,8 @@ from engine_bundle import cached_bundle
 from export.bundle import load_bundle
 from model.tokenizer import Tokenizer
 from serving.server.api import create_app
-from serving.server.config import Limits, LiveKnobs, ModelSpec, StaticEngineKnobs, engine_config
+from serving.engine.config import BatchingKnobs, ReplicaKnobs
+from serving.server.config import Limits, ModelSpec, engine_config
 from serving.engine.engine import Engine
 from serving.server.metrics import Recorder
 from serving.server.service import ModelService
@@ -44,8 +45,8 @@ class InProcessServer:
         for name in ("translate", "generate"):
             bundle, _ = cached_bundle(name)
             spec = ModelSpec(name=name, bundle=bundle,
-                             engine=StaticEngineKnobs(max_slots=SLOTS, provider="cpu", intra_op_threads=1))
-            engine = Engine.from_bundle(bundle, engine_config(spec, LiveKnobs(max_waiting=8), self.limits))
+                             engine=ReplicaKnobs(max_slots=SLOTS, provider="cpu", intra_op_threads=1))
+            engine = Engine.from_bundle(bundle, engine_config(spec, BatchingKnobs(max_waiting=8), self.limits))
             await engine.start()
             self.engines[name] = engine
             tok = Tokenizer.load(load_bundle(bundle).tokenizer_path)

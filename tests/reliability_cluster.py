@@ -1,7 +1,8 @@
-"""The reliability suites' Serve application and helpers (test_reliability.py, test_fuzz.py, test_security.py).
+"""The reliability suites' Serve application and helpers (test_reliability.py, test_reliability_admission.py,
+test_fuzz.py, test_security.py; what they send is tests/reliability_client.py).
 
-One application, "reliability", on the session's Ray cluster (tests/conftest.py `ray_cluster`), built from
-deploy/serve_config.yaml with test overrides, exactly as `kvserve serve` would deploy it:
+One application, "reliability", on the Ray cluster shared by the test run (tests/conftest.py `ray_cluster`),
+built from deploy/serve_config.yaml with test overrides, exactly as `kvserve serve` would deploy it:
 
     ingress    1 replica, API key from the environment variable API_KEY_ENV (api_key_env)
     translate  tiny translate bundle (max_len 64), 4 KV slots                 fuzzing /v1/translate

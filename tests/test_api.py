@@ -1,7 +1,9 @@
-"""Unit tests of the HTTP API, its error mapping, stop strings, config and metrics aggregation.
+"""Unit tests of the HTTP API's answers (translate, generate, OpenAI completions, health, metrics), stop
+strings, config and metrics aggregation; and the app the other API tests share (`make_client`).
 
 The model side is serving.server.service.ModelService (real) over tests/fake_engine.FakeEngine (scripted), served
-in-process through httpx's ASGI transport. Ray and the real engine are in test_server_integration.py.
+in-process through httpx's ASGI transport. Refusals (4xx/5xx) are in tests/test_api_errors.py; the real
+engines in tests/test_api_engine.py and, with Ray, test_server_integration.py.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import yaml
 
 from fake_engine import FakeEngine, tiny_tokenizer
 from serving.server.api import create_app
-from serving.server.config import AppArgs, Limits, LiveKnobs, load_serve_config
+from serving.engine.config import BatchingKnobs
+from serving.server.config import AppArgs, Limits, load_serve_config
+from serving.server.drain import Drain
 from serving.server.metrics import Recorder, aggregate_exposition
 from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult
 from serving.server.stops import StopMatcher
@@ -56,13 +60,13 @@ def tok():
 
 
 def make_client(tok, limits: Limits | None = None, api_key: str | None = None, root_path: str = "",
-                **engine_kw):
+                drain: Drain | None = None, **engine_kw):
     recorder = Recorder("prometheus")
     engines = {"translate": FakeEngine(tok, REPLY, encoder_decoder=True, **engine_kw),
                "generate": FakeEngine(tok, REPLY, **engine_kw)}
     limits = limits or Limits(max_prompt_tokens=40, max_tokens=48, default_max_tokens=32)
     services = {n: ModelService(n, e, tok, limits.max_prompt_tokens, recorder) for n, e in engines.items()}
-    app = create_app(LocalBackend(services, recorder), limits, recorder, api_key)
+    app = create_app(LocalBackend(services, recorder), limits, recorder, api_key, drain)
     transport = httpx.ASGITransport(app=app, root_path=root_path)
     client = httpx.AsyncClient(transport=transport, base_url="http://test" + root_path)
     return client, engines
@@ -108,45 +112,11 @@ async def test_translate_list_with_beam_n_best(tok):
     assert {r.params.beam_size for r in engines["translate"].submitted} == {4}
 
 
-@pytest.mark.parametrize("body,field,status", [
-    ({"text": "x", "beam_size": 2, "n_best": 3}, None, 422),
-    ({"text": "x", "beam_size": 9}, "beam_size", 422),
-    ({"text": "x", "beam_size": "wide"}, "beam_size", 422),
-    ({"text": []}, None, 422),
-    ({"text": "x", "max_tokens": 49}, "max_tokens", 422),
-    ({"text": "x", "max_tokens": 0}, "max_tokens", 422),
-    ({"text": "x", "colour": "red"}, "colour", 422),
-    ({"txt": "x"}, "text", 422),
-    ({"text": "x", "model": "nope"}, "model", 404),
-    ({"text": "x", "model": "generate"}, "model", 422),
-    ({"text": ["x"] * 33}, "text", 413),
-    ({"text": "word " * 60}, "text", 413),
-])
-async def test_translate_errors(tok, body, field, status):
-    client, _ = make_client(tok)
-    err = assert_error(await client.post("/v1/translate", json=body), status, field)
-    if body.get("beam_size") == 9:
-        assert "8" in err["message"] and "9" in err["message"]  # names the value and the limit
-
-
-async def test_configured_beam_limits(tok):
-    client, _ = make_client(tok, limits=Limits(max_prompt_tokens=40, max_tokens=48, max_beam_size=2, max_n_best=1))
-    err = assert_error(await client.post("/v1/translate", json={"text": "x", "beam_size": 3}), 422, "beam_size")
-    assert "limit 2" in err["message"]
-    assert_error(await client.post("/v1/translate", json={"text": "x", "beam_size": 2, "n_best": 2}), 422, "n_best")
-
-
-async def test_malformed_json_is_422_not_500(tok):
-    client, _ = make_client(tok)
-    r = await client.post("/v1/translate", content=b"{not json", headers={"content-type": "application/json"})
-    assert_error(r, 422)
-
-
-async def test_body_over_limit_is_413(tok):
-    client, _ = make_client(tok, limits=Limits(max_body_bytes=256))
-    r = await client.post("/v1/generate", json={"prompt": "x" * 1000})
-    err = assert_error(r, 413, "body")
-    assert "256" in err["message"]
+async def test_translate_length_penalty_reaches_the_beam_search(tok):
+    client, engines = make_client(tok)
+    for body in ({"text": "x", "beam_size": 2, "length_penalty": 0.6}, {"text": "x", "beam_size": 2}):
+        assert (await client.post("/v1/translate", json=body)).status_code == 200
+    assert [r.params.length_penalty for r in engines["translate"].submitted] == [0.6, 1.0]  # 1.0: the default
 
 
 # -- generate ---------------------------------------------------------------------------------------------
@@ -170,6 +140,16 @@ async def test_generate_stop_string_trims_and_cancels(tok):
     assert engines["generate"].cancelled == [engines["generate"].submitted[0].request_id]
 
 
+@pytest.mark.parametrize("path,body", [("/v1/generate", {"prompt": "hi"}),
+                                       ("/v1/completions", {"model": "generate", "prompt": "hi"})])
+async def test_stop_token_ids_reach_the_engine(tok, path, body):
+    client, engines = make_client(tok)
+    for ids in ([5, 7], None):
+        r = await client.post(path, json={**body, "stop_token_ids": ids})
+        assert r.status_code == 200, r.text
+    assert [r.params.stop_token_ids for r in engines["generate"].submitted] == [(5, 7), ()]
+
+
 async def test_generate_stream_sse(tok):
     client, _ = make_client(tok)
     r = await client.post("/v1/generate", json={"prompt": "hi", "stream": True, "stop": "STOP"})
@@ -181,49 +161,6 @@ async def test_generate_stream_sse(tok):
     assert streamed == final["text"] == "hello world, goodbye world. "  # nothing of the stop string leaks
     assert final["finish_reason"] == "stop" and final["usage"]["completion_tokens"] >= len(tokens)
     assert set(final["timings"]) == {"queue_s", "ttft_s", "total_s"}
-
-
-@pytest.mark.parametrize("body,field", [
-    ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "top_k": -2}, "top_k"), ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
-    ({"prompt": "x", "seed": -1}, "seed"), ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": 5}, "prompt"), ({}, "prompt"),
-])
-async def test_generate_validation(tok, body, field):
-    client, _ = make_client(tok)
-    assert_error(await client.post("/v1/generate", json=body), 422, field)
-
-
-async def test_prompt_over_token_limit_is_413(tok):
-    client, _ = make_client(tok)
-    for stream in (False, True):
-        r = await client.post("/v1/generate", json={"prompt": "word " * 60, "stream": stream})
-        err = assert_error(r, 413, "prompt")
-        assert "40" in err["message"]
-
-
-async def test_engine_invalid_request_too_large_is_413(tok):
-    client, _ = make_client(tok)  # FakeEngine max_len 64: 1 bos + 20 tokens + 48 new > 64
-    assert_error(await client.post("/v1/generate", json={"prompt": "word " * 20, "max_tokens": 48}), 413)
-
-
-async def test_overload_is_429_with_retry_after(tok):
-    client, _ = make_client(tok, capacity=0)
-    for path, body in (("/v1/generate", {"prompt": "x"}), ("/v1/generate", {"prompt": "x", "stream": True}),
-                       ("/v1/translate", {"text": "x"})):
-        r = await client.post(path, json=body)
-        assert_error(r, 429)
-        assert r.headers["retry-after"] == "2"
-    text = (await client.get("/metrics")).text
-    assert 'kvserve_rejections_total{model="generate",reason="queue_full"} 2.0' in text
-    assert 'kvserve_rejections_total{model="translate",reason="queue_full"} 1.0' in text
-
-
-async def test_deadline_is_504(tok):
-    limits = Limits(max_prompt_tokens=40, max_tokens=48, default_max_tokens=32, request_timeout_s=0.05)
-    client, _ = make_client(tok, limits=limits, delay_s=0.02)
-    assert_error(await client.post("/v1/generate", json={"prompt": "x"}), 504)
-    assert_error(await client.post("/v1/translate", json={"text": "x"}), 504)
 
 
 # -- OpenAI compatibility ----------------------------------------------------------------------------------
@@ -261,20 +198,12 @@ async def test_completions_stream_ends_with_done(tok):
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
 
 
-# -- health, auth, metrics --------------------------------------------------------------------------------
+# -- health, metrics --------------------------------------------------------------------------------
 async def test_health_routes(tok):
     client, _ = make_client(tok)
     assert (await client.get("/v2/health/live")).json() == {"status": "live"}
     assert (await client.get("/v2/health/ready")).status_code == 200
     assert_error(await client.get("/v1/nothing"), 404)
-
-
-async def test_api_key(tok):
-    client, _ = make_client(tok, api_key="s3cret")
-    assert_error(await client.post("/v1/generate", json={"prompt": "x"}), 401)
-    r = await client.post("/v1/generate", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
-    assert r.status_code == 200
-    assert (await client.get("/v2/health/ready")).status_code == 200  # probes need no key
 
 
 @pytest.mark.parametrize("root_path", ["", "/prefix"])  # Ray Serve's route_prefix arrives as root_path
@@ -337,7 +266,7 @@ def test_serve_config_file_is_valid(tmp_path):
     assert names == {"ingress", *(m.name for m in args.models)}
     for d in app["deployments"]:
         if d["name"] != "ingress":
-            LiveKnobs.model_validate(d["user_config"])
+            BatchingKnobs.model_validate(d["user_config"])
             assert d["backpressure_config"]["status_code"] == 429
 
 
@@ -418,42 +347,3 @@ def test_serving_never_imports_torch():
             "assert 'torch' not in sys.modules, 'serving imported torch'")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-
-
-# -- request-level batching logic (the @serve.batch path itself runs in the integration suite) -------------------
-async def test_run_batch_isolated_fails_only_the_bad_request(tok):
-    from serving.server.app import run_batch_isolated
-    from serving.engine.types import GenerationRequest, InvalidRequest
-
-    engine = FakeEngine(tok, REPLY)  # decoder-only: beam_size > 1 is invalid
-    ok = [GenerationRequest(f"r{i}", [1, 5], SamplingParams(max_new_tokens=3)) for i in range(2)]
-    bad = GenerationRequest("bad", [1, 5], SamplingParams(max_new_tokens=3, beam_size=2, n_best=1))
-    results = await run_batch_isolated(engine, [ok[0], bad, ok[1]])
-    assert isinstance(results[1], InvalidRequest)
-    assert [len(r) for r in (results[0], results[2])] == [4, 4]  # 3 tokens + the final event
-    full = await run_batch_isolated(FakeEngine(tok, REPLY, capacity=0), ok)
-    assert [type(r).__name__ for r in full] == ["AdmissionRejected"] * 2
-
-
-async def test_request_level_mode_maps_engine_errors(tok):
-    from serving.server.app import run_batch_isolated
-
-    engine = FakeEngine(tok, REPLY)
-    service = ModelService("generate", engine, tok, 40)
-
-    async def runner(req):  # what ModelDeployment._run_in_batch does around @serve.batch
-        result = (await run_batch_isolated(engine, [req]))[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-    service.batch_runner = runner
-    r = await service.complete(TextRequest("hi", SamplingParams(max_new_tokens=4), deadline_wall=9e18))
-    assert r.completion_tokens == 4 and r.text == tok.decode(tok.encode(REPLY)[:4])
-    from serving.server.service import ErrorKind, ServiceError
-    with pytest.raises(ServiceError) as e:
-        await service.complete(TextRequest("hi", SamplingParams(beam_size=2), deadline_wall=9e18))
-    assert e.value.kind == ErrorKind.INVALID and e.value.field == "beam_size"
-    engine.capacity = 0
-    with pytest.raises(ServiceError) as e:
-        await service.complete(TextRequest("hi", SamplingParams(), deadline_wall=9e18))
-    assert e.value.kind == ErrorKind.OVERLOADED and e.value.retry_after_s == 2.0

@@ -19,7 +19,8 @@ from beam_reference import reference_beam_search
 from engine_bundle import cached_bundle
 from engine_util import outcome, run_all, run_alone
 from serving.engine.beam import BeamSearch
-from serving.engine.engine import Engine, EngineConfig
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
 from serving.engine.types import FinishReason, GenerationRequest, SamplingParams
 
 EOS = 2
@@ -128,7 +129,7 @@ async def test_engine_beam_search_equals_the_reference_alone_and_batched_with_ot
     assert [outcome(e) for e in got_traffic] == [outcome(e) for e in traffic_alone]
 
 
-# ---- the trained model (the lead runs it: 50 test sentences) -------------------------------------------
+# ---- the trained model (slow: 50 test sentences) ------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KVSERVE_BEAM_CHECKPOINT"), reason="set KVSERVE_BEAM_CHECKPOINT")
 async def test_trained_model_beam_search_equals_the_reference(tmp_path):

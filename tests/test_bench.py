@@ -1,5 +1,6 @@
-"""`kvserve bench` (loadtest/bench*.py): the doc, ratios and verdicts on fixture data, the FLOP counts, the
-bench Serve config, the artifact checks; and (slow) a real `--quick` run on tiny trained bundles."""
+"""`kvserve bench` (bench/cli.py, report.py, compute.py, http.py, translate.py): the doc, ratios and verdicts
+on fixture data, the FLOP counts, the bench Serve config, the artifact checks; and (slow) a real `--quick` run
+on tiny trained bundles."""
 from __future__ import annotations
 
 import copy

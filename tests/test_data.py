@@ -1,13 +1,16 @@
-"""Data preparation: parsing the dictd source, cleaning, deterministic splits, users' own data."""
+"""Data preparation: parsing each source (model/data_sources.py), cleaning, deterministic splits, users' own
+data (model/data.py)."""
 import gzip
 import json
 import shutil
 import struct
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from model import data
+from model import data, data_sources
 
 B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
@@ -61,7 +64,7 @@ def test_dictionary_sentences_are_extracted_and_words_skipped(tmp_path):
         "Kleider machen Leute. /klˈaɪdɜ/\n [Sprw.] Clothes make the man., fine feathers make fine birds [prov.]\n\n",
         "Schönen Tag noch! /ʃˈøːnən/\nHave a nice day!HAND, /hˈant/\n\n",
     ])
-    pairs = list(data.dictionary_sentence_pairs(dz))
+    pairs = list(data_sources.dictionary_sentence_pairs(dz))
     assert pairs == [
         ("That remains to be seen.", "Das steht noch dahin."),
         ("That's not decided yet.", "Das steht noch dahin."),
@@ -82,7 +85,7 @@ def test_ding_sentences_are_extracted_with_alternatives_crossed(tmp_path):
         "Haus {n} | Das ist mein Haus. :: house",  # parts do not line up: skipped
         "Na ja. :: Well.",  # one-word English: not a sentence pair
     ]) + "\n", encoding="utf-8")
-    assert list(data.ding_sentence_pairs(ding)) == [
+    assert list(data_sources.ding_sentence_pairs(ding)) == [
         ("It's a deal!", "Ist geritzt!"),  # apostrophes become ASCII (as in freedict); one-word sides go
         ("That's settled!", "Ist geritzt!"),  # every English alternative with every German one
         ("Keep your distance!", "Abstand halten!"),
@@ -101,16 +104,16 @@ def test_catalog_sentences_are_paired_in_order_and_the_rest_skipped(tmp_path):
         "Attack": "Angriff",  # not a sentence
         "Konrad smiled.": "Konrad smiled.",  # untranslated
     })
-    assert list(data.catalog_sentence_pairs([mo])) == [  # in the catalog's order (msgfmt sorts)
+    assert list(data_sources.catalog_sentence_pairs([mo])) == [  # in the catalog's order (msgfmt sorts)
         ("We must hurry.", "Wir müssen uns beeilen."),
         ("The orcs are coming!", "Die Orks kommen!"),
         ("Open the gate now.", "Öffne jetzt das Tor."),
     ]
     latin1 = write_mo(tmp_path / "old.mo", {"The bridge is out.": "Die Brücke ist weg."}, charset="ISO-8859-1")
-    assert data.read_catalog(latin1) == {"The bridge is out.": "Die Brücke ist weg."}
+    assert data_sources.read_catalog(latin1) == {"The bridge is out.": "Die Brücke ist weg."}
     (tmp_path / "bad.mo").write_bytes(b"not a catalog")
-    with pytest.raises(data.DataError, match="not a gettext .mo file"):
-        data.read_catalog(tmp_path / "bad.mo")
+    with pytest.raises(data_sources.DataError, match="not a gettext .mo file"):
+        data_sources.read_catalog(tmp_path / "bad.mo")
 
 
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
@@ -131,12 +134,12 @@ def test_catalogs_are_taken_out_of_a_package_once(tmp_path, monkeypatch):
                        capture_output=True)
         return deb
 
-    monkeypatch.setattr(data, "_download_deb", download)
+    monkeypatch.setattr(data_sources, "_download_deb", download)
     for _ in range(2):
-        found = data.fetch_catalogs(tmp_path / "cache", packages=["game-data"])
+        found = data_sources.fetch_catalogs(tmp_path / "cache", packages=["game-data"])
         assert [p.relative_to(tmp_path / "cache") for p in found] == [
-            data.Path("catalogs/game-data/usr/share/locale/de/LC_MESSAGES/game.mo")]
-        assert list(data.catalog_sentence_pairs(found)) == [("We won.", "Wir haben gewonnen.")]
+            Path("catalogs/game-data/usr/share/locale/de/LC_MESSAGES/game.mo")]
+        assert list(data_sources.catalog_sentence_pairs(found)) == [("We won.", "Wir haben gewonnen.")]
     assert downloads == ["game-data"]  # cached: downloaded once, the .deb itself not kept
     assert not list((tmp_path / "cache" / "catalogs").glob("*.deb"))
 
@@ -173,6 +176,17 @@ def test_extra_ding_pairs_go_to_train_only_and_never_resemble_held_out_pairs(tmp
     assert meta["counts"]["train"] == base["counts"]["train"] + 2
     no_games = data.prepare_translation(tmp_path / "no-games", cache=tmp_path, catalogs=False)
     assert no_games["counts"]["train"] == base["counts"]["train"] + 1
+
+
+def test_data_is_torch_free_and_keeps_its_public_names():
+    """Serving-side evaluation and the load tester import model.data without torch installed."""
+    code = ("import sys; from model import data; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules)); "
+            "print(all(hasattr(data, n) for n in data.__all__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    assert out == ["[]", "True"]
+    assert data.DataError is data_sources.DataError  # callers catch it as model.data's
 
 
 def test_clean_normalises_and_strips_control_characters():

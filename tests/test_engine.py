@@ -13,7 +13,8 @@ import pytest
 from engine_bundle import cached_bundle
 from engine_util import collect, outcome, run_all, run_alone, tokens
 from model.decode import greedy_translate_ids
-from serving.engine.engine import Engine, EngineConfig
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
 from serving.engine.types import (AdmissionRejected, BatchingMode, EngineDead, FinishReason, GenerationRequest,
                            InvalidRequest, SamplingParams)
 
@@ -173,16 +174,49 @@ async def test_request_level_batch_runs_to_its_end_before_anything_joins():
     eng.add_observer(steps.append, None)
     batch = [GenerationRequest(f"b{i}", [1, 4 + i], SamplingParams(max_new_tokens=5 * (i + 1), ignore_eos=True))
              for i in range(4)]
-    task = asyncio.ensure_future(eng.run_batch(batch))
-    await asyncio.sleep(0)
+    handles = [eng.submit(r) for r in batch]  # max_batch_size requests: the batch starts at the next step
     late = eng.submit(GenerationRequest("late", [1, 4], SamplingParams(max_new_tokens=3)))
-    events = await task
+    events = await asyncio.gather(*(collect(h) for h in handles))
     late_events = await asyncio.wait_for(collect(late), 10)  # alone: starts after the 0.2 s gather timeout
     await eng.stop()
     assert [len(tokens(e)) for e in events] == [5, 10, 15, 20]
     assert [s.batch_size for s in steps[:20]] == [4] * 20  # finished rows stay in the static batch
     assert steps[20].batch_size == 1 and steps[20].prefill_tokens == 2  # the late one runs after it
     assert outcome(late_events)[1] is not None
+
+
+async def test_request_level_batch_refuses_a_bad_request_alone_and_starts_at_the_timeout():
+    eng = await started(engine(batching=BatchingMode.REQUEST, max_batch_size=8, batch_wait_timeout_s=0.1,
+                               max_waiting=2))
+    steps = []
+    eng.add_observer(steps.append, None)
+    good = [GenerationRequest(f"g{i}", [1, 5 + i], SamplingParams(max_new_tokens=4, ignore_eos=True))
+            for i in range(2)]
+    bad = GenerationRequest("bad", [1, 5], SamplingParams(max_new_tokens=4, beam_size=2, n_best=1))
+    handles = [eng.submit(good[0])]
+    with pytest.raises(InvalidRequest) as e:  # beam search on a decoder-only model: refused before it waits
+        eng.submit(bad)
+    assert e.value.field == "beam_size"
+    handles.append(eng.submit(good[1]))
+    started_at = time.monotonic()
+    events = await asyncio.gather(*(collect(h) for h in handles))
+    await eng.stop()
+    assert [len(tokens(ev)) for ev in events] == [4, 4]
+    assert steps[0].batch_size == 2  # two of eight: the batch started when the oldest had waited 0.1 s
+    assert time.monotonic() - started_at >= 0.05
+
+
+async def test_request_level_queue_is_bounded():
+    eng = await started(engine(batching=BatchingMode.REQUEST, max_slots=2, max_batch_size=2,
+                               batch_wait_timeout_s=5.0, max_waiting=1))
+    p = SamplingParams(max_new_tokens=2)
+    held = [eng.submit(GenerationRequest(f"w{i}", [1, 5], p)) for i in range(3)]  # 2 free slots + 1 waiting
+    with pytest.raises(AdmissionRejected) as e:
+        eng.submit(GenerationRequest("over", [1, 5], p))
+    assert e.value.reason == "queue_full" and e.value.retry_after_s > 0
+    for h in held:
+        h.cancel()
+    await eng.stop()
 
 
 async def test_no_batching_runs_one_request_per_step():

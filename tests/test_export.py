@@ -155,10 +155,11 @@ def _data_dir(tmp_path, task):
 def test_evaluate_bundle_gives_the_checkpoint_figures(bundles, task, tmp_path):
     """`kvserve evaluate BUNDLE` (ONNX Runtime) reports what `kvserve evaluate CHECKPOINT` (PyTorch) does."""
     from export.evaluate import evaluate_bundle
+    from kvserve.runtime import ort_runtime
     from model.evaluate import evaluate_checkpoint
 
     data_dir = _data_dir(tmp_path, task)
-    got = evaluate_bundle(bundles[task], "test", None, data_dir)
+    got = evaluate_bundle(bundles[task], ort_runtime(), "test", None, data_dir)
     want = evaluate_checkpoint(checkpoint_of(bundles[task]), "test", None, data_dir)
     if task == "translate":
         assert got["sentences"] == want["sentences"] == 9
@@ -168,3 +169,25 @@ def test_evaluate_bundle_gives_the_checkpoint_figures(bundles, task, tmp_path):
         assert got["chars"] == want["chars"] and got["tokens"] == want["tokens"]
         assert got["bits_per_char"] == pytest.approx(want["bits_per_char"], abs=2e-4)
         assert got["bits_per_char"] < 6
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_parity_command_runs_the_bundle_through_ort_against_pytorch(bundles, task, tmp_path, capsys):
+    """`python -m kvserve.parity BUNDLE CKPT`: export/parity.py `real_parity` with serving's ONNX Runtime
+    injected (kvserve/runtime.py): fp32 logits within tolerance, the same greedy outputs, no quality change."""
+    import json
+
+    from kvserve.parity import main
+
+    data_dir = _data_dir(tmp_path, task)
+    if task == "generate":  # prompts (120 characters from a line start) must fit the tiny model's max_len 64
+        (data_dir / task / "test.txt").write_text("Good morning.\nThank you.\nWe go.\n")
+    assert main([str(bundles[task]), str(checkpoint_of(bundles[task])), "--sentences", "9", "--steps", "8",
+                 "--batch-size", "4", "--provider", "cpu", "--data-dir", str(data_dir)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["provider"] == "CPUExecutionProvider" and r["task"] == task
+    assert r["lockstep"]["logits_max_abs"] <= FP32_TOLERANCE
+    assert r["lockstep"]["rows_greedy_identical"] == r["lockstep"]["rows"] > 0
+    assert r["greedy"]["identical_fraction"] == 1.0
+    delta = r["quality"]["chrf_delta"] if task == "translate" else r["quality"]["bpc_delta"]
+    assert abs(delta) <= 1e-3, r["quality"]

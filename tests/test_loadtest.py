@@ -1,9 +1,7 @@
-"""loadtest/: arrivals, SLO parsing and gating, the report on fixture data, /metrics parsing, and runs
-against a real local HTTP server (tests/loadtest_server.py) whose Prometheus counters must agree with the
-report's request and token counts."""
+"""loadtest/ without a load run: arrivals, request inputs and bodies, SLO parsing and gating, the report on
+fixture data, /metrics parsing. Runs against a real local HTTP server are in tests/test_loadtest_live.py."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -17,10 +15,9 @@ from loadtest.client import RequestRecord
 from loadtest.config import SLO, Arrival, LoadConfig, Workload
 from loadtest.promscrape import histogram_quantile, parse_metrics, server_delta
 from loadtest.report import Report
-from loadtest.runner import run_load
 from loadtest.slo import evaluate, parse_slos
-from loadtest.workloads import FALLBACK_SENTENCES, load_inputs, request_body
-from loadtest_server import ServerThread, build_app
+from loadtest.workloads import FALLBACK_SENTENCES, load_inputs, read_test_prompts, read_test_sources, request_body
+from loadtest_server import ServerThread
 
 # ------------------------------------------------------------------------------------------ arrivals
 
@@ -68,6 +65,25 @@ def test_inputs_come_from_the_test_split_or_say_they_do_not(tmp_path) -> None:
                                                             for i in range(40)))
     gen = load_inputs(Workload.GENERATE, tmp_path)
     assert not gen.fallback and all(t.startswith("Line ") for t in gen.texts) and len(gen.texts) > 10
+
+
+def test_inputs_read_the_files_model_data_writes_as_model_data_reads_them(tmp_path) -> None:
+    """loadtest/ reads the prepared test split itself (it imports nothing of model/): same texts, same prompts."""
+    from model import data
+
+    (tmp_path / "translate").mkdir()
+    (tmp_path / "translate" / "test.tsv").write_text("Good morning.\tGuten Morgen.\n\nA\ttab\tin it.\tx\n"
+                                                     "Thank you.\tDanke.\n", encoding="utf-8")
+    assert read_test_sources(tmp_path) == [en for en, _ in data.load_pairs(tmp_path, "test")] == [
+        "Good morning.", "A", "Thank you."]
+    (tmp_path / "generate").mkdir()
+    text = "".join(f"{'  ' if i % 3 else ''}Line {i}: the play goes on, and on, and on.\n" for i in range(700))
+    (tmp_path / "generate" / "test.txt").write_text(text, encoding="utf-8")
+    for n, chars in ((512, 120), (7, 30), (1, 5)):
+        got = read_test_prompts(tmp_path, n, chars)
+        assert got == data.lm_prompts(data.load_text(tmp_path, "test"), n, chars) and 0 < len(got) <= n
+    with pytest.raises(FileNotFoundError, match="kvserve data --task generate"):
+        read_test_prompts(tmp_path / "missing", 3, 10)
 
 
 # ------------------------------------------------------------------------------------------ config, SLOs
@@ -241,164 +257,3 @@ async def test_a_fresh_server_without_series_is_not_a_scrape_error() -> None:
     assert missing.error == f"GET {s.url}/nowhere answered 404"
     assert server_delta(fresh, parse_metrics(METRICS_AFTER))["requests"] == 23
     assert "no kvserve_* series" in server_delta(fresh, fresh)["error"]
-
-
-# ------------------------------------------------------------------------------------------ real server
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(build_app(max_concurrent=64)) as s:
-        yield s
-
-
-async def _metric_totals(url: str) -> dict:
-    """The server's counters now (0 for a series not created yet)."""
-    async with httpx.AsyncClient() as c:
-        d = server_delta(parse_metrics(""), parse_metrics((await c.get(url + "/metrics")).text))
-    return {k: d[k] or 0.0 for k in ("requests", "generated_tokens")}
-
-
-async def test_open_loop_streaming_run_agrees_with_server_metrics(server) -> None:
-    cfg = LoadConfig(server.url, workload=Workload.GENERATE, rate=40.0, duration_s=1.5, warmup_s=0.5, seed=11,
-                     max_tokens=12, data_dir="/nonexistent")
-    rep = await run_load(cfg)
-    srv, t = rep.server, rep.totals
-    assert srv["available"] and not rep.errors, (srv, rep.errors)
-    expected_sent = sum(1 for x in _times_until(40.0, 11, 2.0))  # exactly the seeded arrivals in 2 s
-    assert t["sent"] == expected_sent and t["warmup"] == sum(1 for x in _times_until(40.0, 11, 0.5))
-    assert srv["requests"] == t["sent"] == t["all_completed"]
-    assert srv["generated_tokens"] == t["all_output_tokens"] > 0
-    assert srv["prompt_tokens"] == t["all_prompt_tokens"] > 0
-    assert srv["batch_size"]["count"] == t["all_output_tokens"] and srv["batch_size"]["mean"] >= 1
-    assert rep.inputs_fallback and "built-in" in rep.inputs
-    lat = rep.latency
-    assert lat["ttft"]["n"] == t["succeeded"] and lat["ttft"]["p50"] >= 0.01  # the server's 10 ms prefill
-    assert lat["itl"]["p50"] >= 0.003 and lat["e2e"]["p50"] > lat["ttft"]["p50"]
-    streamed = [r for r in rep.records if r.ok]
-    assert all(len(r.token_times) == r.output_tokens for r in streamed)  # usage agrees with the stream
-
-
-def _times_until(rate: float, seed: int, end: float):
-    for t in arrival_times(rate, Arrival.POISSON, 1.0, seed):
-        if t >= end:
-            return
-        yield t
-
-
-@pytest.mark.parametrize("workload,stream", [(Workload.COMPLETIONS, True), (Workload.COMPLETIONS, False),
-                                             (Workload.TRANSLATE, None), (Workload.GENERATE, False)])
-async def test_closed_loop_workloads_agree_with_server_metrics(server, workload: Workload, stream) -> None:
-    before = await _metric_totals(server.url)
-    cfg = LoadConfig(server.url, workload=workload, concurrency=4, requests=12, stream=stream, max_tokens=8,
-                     data_dir="/nonexistent", scrape_metrics=False)
-    rep = await run_load(cfg)
-    after = await _metric_totals(server.url)
-    assert rep.totals["measured"] == rep.totals["succeeded"] == 12 and not rep.errors
-    assert after["requests"] - before["requests"] == 12
-    assert after["generated_tokens"] - before["generated_tokens"] == rep.totals["output_tokens"]
-    assert (rep.latency["ttft"]["n"] == 12) == bool(cfg.streams)
-
-
-async def test_429s_are_counted_apart_and_match_the_server() -> None:
-    with ServerThread(build_app(max_concurrent=2, prefill_s=0.05)) as s:
-        rep = await run_load(LoadConfig(s.url, workload=Workload.GENERATE, rate=60.0, duration_s=1.0, seed=2,
-                                        data_dir="/nonexistent"))
-    srv, t = rep.server, rep.totals
-    assert t["rejected_429"] > 0 and rep.errors == {"429": t["rejected_429"]}
-    assert srv["requests_by_status"] == {"200": t["succeeded"], "429": t["rejected_429"]}
-    assert rep.retry_after["p50"] == 0.05
-
-
-async def test_only_the_given_url_is_contacted(server, monkeypatch) -> None:
-    """A proxy set in the environment must not capture the traffic (a dead proxy would fail every request)."""
-    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
-    monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:9")
-    async with httpx.AsyncClient(trust_env=True) as c:  # what the proxy would do to a careless client
-        with pytest.raises(httpx.ConnectError):
-            await c.get(server.url + "/metrics")
-    rep = await run_load(LoadConfig(server.url, concurrency=2, requests=4, data_dir="/nonexistent"))
-    assert rep.totals["succeeded"] == 4 and rep.server["available"]
-
-
-def test_cli_writes_the_report_and_gates_on_slos(server, tmp_path, capsys) -> None:
-    parser = argparse.ArgumentParser(prog="kvserve")
-    sub = parser.add_subparsers(dest="command", required=True)
-    cli.register(sub)
-    common = ["loadtest", server.url, "--workload", "generate", "--concurrency", "3", "--requests", "9",
-              "--data-dir", str(tmp_path / "none"), "--quiet"]
-    args = parser.parse_args(common + ["--out", str(tmp_path / "a"), "--slo", "e2e_p99=0.000001"])
-    assert args.func(args) == cli.EXIT_SLO_MISSED
-    assert "SLO e2e_p99 <= 0.0 ms" in capsys.readouterr().out
-    report = json.loads((tmp_path / "a" / "report.json").read_text())
-    assert report["slo_met"] is False and report["totals"]["succeeded"] == 9
-    assert {p.name for p in (tmp_path / "a").iterdir()} == {
-        "report.json", "report.md", "requests.jsonl", "latency.png", "timeline.png"}
-    args = parser.parse_args(common + ["--out", str(tmp_path / "b"), "--slo", "ttft_p99=30,e2e_p99=60"])
-    assert args.func(args) == cli.EXIT_OK
-    bad = parser.parse_args(common + ["--slo", "ttft_p99=zero"])
-    assert bad.func(bad) == cli.EXIT_USAGE and "number of seconds" in capsys.readouterr().err
-
-
-def test_cli_reports_an_unreachable_server(tmp_path) -> None:
-    with socket_closed_port() as url:
-        code = cli.main([url, "--concurrency", "1", "--requests", "2", "--quiet", "--timeout", "5",
-                         "--out", str(tmp_path), "--data-dir", str(tmp_path / "none")])
-    assert code == cli.EXIT_NOTHING_SUCCEEDED
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["errors_by_status"] == {"ConnectError": 2}
-    assert report["server_metrics_delta"]["available"] is False
-
-
-class socket_closed_port:
-    """A loopback URL on which nothing listens (bound, never listening, so no one else takes the port)."""
-
-    def __enter__(self) -> str:
-        import socket
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.sock.close()
-
-
-# ------------------------------------------------------------------------------------------ Locust
-
-
-def test_locustfile_headless_run_agrees_with_server_metrics(server, tmp_path) -> None:
-    """The documented headless command, as a subprocess (gevent patches the process it runs in)."""
-    import importlib.util
-    if importlib.util.find_spec("locust") is None:  # never import it here: it monkey-patches the process
-        pytest.skip("the `locust` extra is not installed")
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    locustfile = Path(__file__).resolve().parents[1] / "loadtest" / "locustfile.py"
-    before = asyncio_run(_metric_totals(server.url))
-    proc = subprocess.run(
-        [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless", "--host", server.url,
-         "--users", "3", "--spawn-rate", "3", "--run-time", "2s", "--stop-timeout", "10", "--only-summary",
-         "--workload", "generate", "--max-tokens", "10", "--data-dir", str(tmp_path / "none"),
-         "--json-file", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=60, cwd=locustfile.parents[1])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    after = asyncio_run(_metric_totals(server.url))
-    rows = {(e["method"], e["name"]): e for e in json.loads((tmp_path / "run.json").read_text())}
-    post = rows[("POST", "/v1/generate")]
-    assert post["num_failures"] == 0 and post["num_requests"] > 10
-    assert after["requests"] - before["requests"] == post["num_requests"]
-    tokens = int(re.search(r"output tokens (\d+) in", proc.stderr).group(1))
-    assert after["generated_tokens"] - before["generated_tokens"] == tokens
-    ttft = rows[("TTFT", "/v1/generate")]
-    assert ttft["num_requests"] == post["num_requests"]
-    # Streamed for real: the first token (after the server's 10 ms prefill) comes well before the whole answer.
-    mean = lambda e: e["total_response_time"] / e["num_requests"]  # noqa: E731
-    assert 10 <= mean(ttft) < mean(post)
-
-
-def asyncio_run(coro):
-    import asyncio
-    return asyncio.run(coro)

@@ -3,14 +3,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.engine.scheduler import Phase, Scheduler, SchedulerLimits, Sequence
+from serving.engine.config import BatchingKnobs
+from serving.engine.scheduler import Phase, Scheduler, Sequence
 from serving.engine.types import AdmissionRejected, BatchingMode, FinishReason
 
 M = 64
 
 
 def sched(n_slots=8, **kw) -> Scheduler:
-    return Scheduler(n_slots, M, SchedulerLimits(**kw))
+    return Scheduler(n_slots, M, BatchingKnobs(**kw))
 
 
 def seq(name, prompt=4, width=1, src=0, new=8, deadline=None) -> Sequence:
@@ -130,9 +131,9 @@ def test_prefill_group_keeps_max_write_pos_plus_padded_length_within_the_cache()
     s = sched(max_tokens_per_step=1000)
     long = seq("long", prompt=60)
     s.add([long], 0.0)
-    s.limits.max_tokens_per_step = 40
+    s.knobs = s.knobs.model_copy(update={"max_tokens_per_step": 40})
     run(s)  # chunk [0, 40)
-    s.limits.max_tokens_per_step = 1000
+    s.knobs = s.knobs.model_copy(update={"max_tokens_per_step": 1000})
     s.add([seq("b", prompt=30)], 0.0)
     plan = run(s)
     starts = [c.start for c in plan.prefill]
@@ -188,7 +189,7 @@ def test_cancel_and_deadline_are_reaped_at_the_next_schedule():
 
 
 def test_request_mode_gathers_then_runs_a_static_batch_to_its_end():
-    s = sched(mode=BatchingMode.REQUEST, max_batch_size=3, batch_wait_timeout_s=1.0)
+    s = sched(batching=BatchingMode.REQUEST, max_batch_size=3, batch_wait_timeout_s=1.0)
     a, b = seq("a"), seq("b")
     s.add([a, b], 0.0)
     plan = run(s, 0.1)
@@ -209,13 +210,13 @@ def test_request_mode_gathers_then_runs_a_static_batch_to_its_end():
     assert [q.seq.request_id for q in plan.prefill] == ["d"]
 
 
-def test_request_mode_admits_a_run_batch_group_at_once_and_holds_cancelled_rows():
-    s = sched(mode=BatchingMode.REQUEST, max_batch_size=8, batch_wait_timeout_s=10.0)
-    g = [seq(str(i)) for i in range(3)]
-    for q in g:
-        q.group = 1
+def test_request_mode_admits_a_full_batch_at_once_and_holds_cancelled_rows():
+    s = sched(batching=BatchingMode.REQUEST, max_batch_size=3, batch_wait_timeout_s=10.0)
+    g = [seq(str(i)) for i in range(4)]
     s.add(g, 0.0)
-    plan = run(s, 0.0)
+    plan = run(s, 0.0)  # max_batch_size waiting: no need to wait for the timeout; the fourth waits
+    assert s.waiting[0] is g[3]
+    g = g[:3]
     assert [q.seq for q in plan.prefill] == g
     g[0].cancelled = True
     plan = run(s, 0.1)
@@ -223,7 +224,7 @@ def test_request_mode_admits_a_run_batch_group_at_once_and_holds_cancelled_rows(
 
 
 def test_none_mode_runs_one_request_at_a_time():
-    s = sched(mode=BatchingMode.NONE)
+    s = sched(batching=BatchingMode.NONE)
     a, b = seq("a"), seq("b")
     s.add([a, b], 0.0)
     assert [q.seq for q in run(s).prefill] == [a]
@@ -233,12 +234,12 @@ def test_none_mode_runs_one_request_at_a_time():
 
 
 def test_switching_from_request_to_continuous_releases_held_rows():
-    s = sched(mode=BatchingMode.REQUEST, max_batch_size=2)
+    s = sched(batching=BatchingMode.REQUEST, max_batch_size=2)
     a, b = seq("a"), seq("b")
     s.add([a, b], 0.0)
     run(s)
     s.finish(a, 1.0)
-    s.limits.mode = BatchingMode.CONTINUOUS
+    s.knobs = s.knobs.model_copy(update={"batching": BatchingMode.CONTINUOUS})
     plan = run(s)
     assert s.slots_used == 1 and b.slots == [0] and plan.moves == [[(1, 0)]]
 

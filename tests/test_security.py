@@ -152,7 +152,8 @@ def _tamper(bundle: Path, how: str) -> str:
 
 @pytest.mark.parametrize("how", ["changed", "missing", "manifest"])
 def test_serving_refuses_a_damaged_bundle_naming_the_file(tmp_path, how):
-    from serving.engine.engine import Engine, EngineConfig
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
 
     bundle = Path(shutil.copytree(cached_bundle("generate")[0], tmp_path / "bundle"))
     needle = _tamper(bundle, how)
@@ -254,7 +255,8 @@ def test_serving_a_bundle_never_unpickles(monkeypatch, tmp_path):
     import asyncio
 
     import serving.engine.runtime  # noqa: F401  (imported before pickle is disabled, like onnxruntime itself)
-    from serving.engine.engine import Engine, EngineConfig
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
     from serving.engine.types import GenerationRequest, SamplingParams
 
     def refuse(*_a, **_k):

@@ -8,7 +8,9 @@ from safetensors.torch import load_file
 from model import data
 from model.checkpoint import load_checkpoint
 from model.evaluate import evaluate_checkpoint
-from model.train import TrainConfig, lr_at, train
+from model.schedule import FINAL_LR, lr_at, schedule_step, set_lr
+from model.train import train
+from model.train_config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +77,34 @@ def test_schedule_warms_up_then_decays():
     assert lr_at(50, c) < lr_at(10, c) and lr_at(99, c) >= 0.05e-3 - 1e-12
 
 
-def test_linear_decay_reaches_min_lr_in_a_straight_line():
-    c = TrainConfig(steps=110, warmup=10, lr=1e-3, decay="linear", min_lr=0.0)
-    assert lr_at(10, c) == pytest.approx(1e-3) and lr_at(60, c) == pytest.approx(0.5e-3)
-    assert lr_at(35, c) - lr_at(36, c) == pytest.approx(lr_at(85, c) - lr_at(86, c))  # the same step all the way
-    assert lr_at(110, c) == 0.0 and lr_at(500, c) == 0.0
-    assert lr_at(110, TrainConfig(steps=110, warmup=10, lr=1e-3, decay="linear", min_lr=0.1)) == pytest.approx(1e-4)
-    assert lr_at(110, TrainConfig(steps=110, warmup=10, lr=1e-3)) == pytest.approx(0.05e-3)  # cosine to 5%
-    with pytest.raises(ValueError, match="decay"):
-        TrainConfig(decay="step")
-    with pytest.raises(ValueError, match="min_lr"):
-        TrainConfig(min_lr=1.5)
+def test_cosine_decay_ends_at_its_floor_and_stays_there():
+    c = TrainConfig(steps=110, warmup=10, lr=1e-3)
+    assert lr_at(10, c) == pytest.approx(1e-3)  # the peak right after warmup
+    assert lr_at(60, c) == pytest.approx(1e-3 * (FINAL_LR + (1 - FINAL_LR) * 0.5))  # halfway: half of the way down
+    assert lr_at(35, c) - lr_at(36, c) < lr_at(59, c) - lr_at(60, c)  # a cosine: steepest in the middle
+    lrs = [lr_at(s, c) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))  # always down after warmup
+    assert lr_at(110, c) == lr_at(500, c) == pytest.approx(FINAL_LR * 1e-3)  # the floor, also past `steps`
+    opt = torch.optim.SGD([{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)]}], lr=1.0)
+    assert set_lr(opt, 60, 0.0, c) == lr_at(60, c)
+    assert [g["lr"] for g in opt.param_groups] == [lr_at(60, c)] * 2  # every parameter group
+
+
+def test_recipe_is_the_default_run_with_overrides():
+    from model import train as train_mod
+    from model.train_config import RECIPES, recipe
+
+    assert train_mod.recipe is recipe and train_mod.TrainConfig is TrainConfig  # kvserve/cli.py imports them there
+    r = recipe("translate")
+    assert r.steps == RECIPES["translate"]["steps"] and r.out == "artifacts/ckpt/translate" and r.ema == 0.999
+    assert recipe("generate", preset="tiny").out == "artifacts/ckpt/generate-tiny"  # another preset, another dir
+    assert recipe("generate", preset="tiny", out="x").out == "x"
+    assert recipe("translate", lr=5e-4).lr == 5e-4
+    with pytest.raises(ValueError, match="unknown task 'summarize'"):
+        recipe("summarize")
 
 
 def test_time_budget_schedule_follows_the_clock():
-    from model.train import schedule_step
-
     c = TrainConfig(steps=1000, time_budget_s=100.0)
     assert schedule_step(10, 50.0, c) == 500  # halfway through the budget: halfway through the schedule
     assert schedule_step(700, 50.0, c) == 700  # a fast machine follows its steps
@@ -103,7 +117,7 @@ def test_time_budget_schedule_follows_the_clock():
 
 def test_resume_keeps_the_model_config_the_run_started_with(tmp_path, data_dir, monkeypatch):
     """--resume (also `make serve` after an interrupted run) continues the saved model even when the preset
-    has changed since (session 8 changed the small translator from 3+3 to 2+4 layers)."""
+    has changed since (as when the small translator went from 3+3 to 2+4 layers, dd07eea)."""
     from model import config
 
     train(cfg(tmp_path / "a", data_dir, "translate"))
@@ -131,10 +145,10 @@ def test_validation_on_the_way_and_once_on_the_whole_split_at_the_end(tmp_path, 
 
 def test_resume_after_a_stop_that_kept_the_average_continues_from_the_last_weights(tmp_path, data_dir, monkeypatch):
     """A run that stops (time budget, --stop-at) and keeps the moving average as its weights still saves the
-    train state as in training, so --resume continues exactly (it used to resume from the average)."""
+    train state as in training, so --resume continues exactly (from the last weights, not the average)."""
     import model.train as train_mod
 
-    monkeypatch.setattr(train_mod, "_better", lambda a, b: True)  # the average is kept at every stop
+    monkeypatch.setattr(train_mod, "better", lambda a, b: True)  # the average is kept at every stop
     kw = dict(ema=0.9)
     a = train(cfg(tmp_path / "a", data_dir, "translate", **kw))
     stopped = train(cfg(tmp_path / "b", data_dir, "translate", stop_at=3, **kw))
@@ -170,7 +184,7 @@ def test_bf16_and_weight_average_resume_exactly_and_keep_the_better_weights(tmp_
 
 
 def test_weight_average_tracks_the_parameters():
-    from model.train import WeightAverage
+    from model.weight_average import WeightAverage
     m = torch.nn.Linear(2, 2)
     avg = WeightAverage(m, decay=0.5)
     with torch.no_grad():
@@ -183,61 +197,6 @@ def test_weight_average_tracks_the_parameters():
     torch.testing.assert_close(m.weight.detach(), before + 0.5)
     avg.swap()
     torch.testing.assert_close(m.weight.detach(), w)
-
-
-def test_subword_dropout_resegments_each_epoch_reproducibly(tmp_path, data_dir):
-    import numpy as np
-    from model.tokenizer import Tokenizer
-    from model.train import Batcher, encode_split, split_words
-
-    texts = ["Das Haus ist groß, der Baum auch.", "Noch ist nicht aller Tage Abend!", "", "ü 42 👍 a"]
-    pieces = split_words(texts[0], np.random.default_rng(0), 1.0)
-    assert "".join(pieces) == texts[0] and len(pieces) == 8  # each of the 7 words of 2+ characters cut once
-    tok = Tokenizer.train([t for t in texts for _ in range(20)], vocab_size=300)
-    for p in (0.0, 0.5, 1.0):
-        enc = encode_split(tok, texts, np.random.default_rng(1), p)
-        assert [tok.decode(e) for e in enc] == texts  # another segmentation of the same text
-    assert encode_split(tok, texts, np.random.default_rng(1), 0.0) == tok.encode_batch(texts)
-
-    c = cfg(tmp_path, data_dir, "translate", subword_dropout=0.3)
-    train(cfg(tmp_path / "t", data_dir, "translate", steps=1))  # a tokenizer for the data
-    tok = Tokenizer.load(tmp_path / "t" / "translate" / "tokenizer.json")
-    a, b = Batcher(c, tok, 64), Batcher(c, tok, 64)
-    e0, e1 = a._epoch(0)[0], a._epoch(1)[0]
-    assert b._epoch(0)[0] == e0  # same seed, same epoch: the same segmentation
-    assert e0 != e1 and e0 != a.pairs  # a new one each epoch, unlike the plain encoding
-    assert [tok.decode(s) for s, _ in e1] == [tok.decode(s) for s, _ in a.pairs]
-
-
-def test_both_directions_adds_every_pair_reversed(tmp_path, data_dir):
-    from model.tokenizer import Tokenizer
-    from model.train import Batcher
-
-    train(cfg(tmp_path / "t", data_dir, "translate", steps=1))  # a tokenizer for the data
-    tok = Tokenizer.load(tmp_path / "t" / "translate" / "tokenizer.json")
-    one = Batcher(cfg(tmp_path, data_dir, "translate"), tok, 64)
-    both = Batcher(cfg(tmp_path, data_dir, "translate", both_directions=True), tok, 64)
-    n = len(one.pairs)
-    assert both.pairs[:n] == one.pairs  # the pairs as they were, then each one reversed
-    assert both.pairs[n:] == [(t[:64], s[:63]) for s, t in one.pairs]
-    assert both.texts[n][0].startswith("Das ") and both.texts[n][1].startswith("The ")
-    assert sum(len(b) for b in both._epoch(0)[1]) == 2 * n  # an epoch covers both directions
-
-
-def test_max_pair_tokens_leaves_out_the_long_pairs_only(tmp_path, data_dir):
-    from model.tokenizer import Tokenizer
-    from model.train import Batcher
-
-    train(cfg(tmp_path / "t", data_dir, "translate", steps=1))  # a tokenizer for the data
-    tok = Tokenizer.load(tmp_path / "t" / "translate" / "tokenizer.json")
-    every = Batcher(cfg(tmp_path, data_dir, "translate"), tok, 64)
-    longest = [max(len(s), len(t)) for s, t in every.pairs]
-    cap = sorted(longest)[len(longest) // 2]  # about half of the pairs are longer
-    capped = Batcher(cfg(tmp_path, data_dir, "translate", max_pair_tokens=cap), tok, 64)
-    assert 0 < len(capped.pairs) < len(every.pairs)
-    assert capped.pairs == [p for p, n in zip(every.pairs, longest) if n <= cap]  # the rest, in order
-    assert capped.texts == [t for t, n in zip(every.texts, longest) if n <= cap]  # re-encoding sees the same
-    assert sum(len(b) for b in capped._epoch(0)[1]) == len(capped.pairs)
 
 
 def test_train_step_benchmark_times_each_dropout_and_optimizer_variant():

@@ -4,22 +4,42 @@ Owns: the checks of a GenerationRequest against the model (vocabulary, KV cache 
 the engine's limits, each failing with InvalidRequest naming the field, the value, the limit and the fix;
 and the construction of the request's engine state (decoder prompt, stop ids, generator, beam search).
 
-Does not own: admission bounds (serving/engine/scheduler.py), HTTP status codes (serving/server/api.py).
+Does not own: admission bounds (serving/engine/scheduler.py), HTTP status codes (serving/server/errors.py).
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from serving.engine.beam import BeamSearch
+from serving.engine.config import EngineConfig
 from serving.engine.runner import RequestState
 from serving.engine.sampling import is_plain_greedy, make_generator
 from serving.engine.types import GenerationRequest, InvalidRequest, SamplingParams
 
-if TYPE_CHECKING:
-    from serving.engine.engine import Engine
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the model's facts and the engine's request bounds."""
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    max_len: int  # decoder KV cache length
+    max_src_len: int  # longest source (encoder-decoder); = max_len for a decoder-only model
+    is_encoder_decoder: bool
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_beam_size: int  # min(the config's max_beam_size, the engine's KV slots)
+
+    @classmethod
+    def of(cls, runtime: Any, config: EngineConfig) -> "RequestLimits":
+        return cls(vocab_size=runtime.vocab_size, bos_id=runtime.bos_id, eos_id=runtime.eos_id,
+                   max_len=runtime.max_len, max_src_len=getattr(runtime, "max_src_len", None) or runtime.max_len,
+                   is_encoder_decoder=runtime.is_encoder_decoder, max_prompt_tokens=config.max_prompt_tokens,
+                   max_new_tokens=config.max_new_tokens, max_beam_size=min(config.max_beam_size, config.max_slots))
 
 
 def _ids_ok(ids: object, vocab: int) -> bool:
@@ -27,64 +47,68 @@ def _ids_ok(ids: object, vocab: int) -> bool:
         isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < vocab for i in ids)
 
 
-def check_params(p: SamplingParams, engine: "Engine") -> None:
-    cfg = engine.config
-    if not 1 <= p.max_new_tokens <= cfg.max_new_tokens:
-        raise InvalidRequest(f"max_new_tokens={p.max_new_tokens} must be between 1 and {cfg.max_new_tokens}")
+def check_params(p: SamplingParams, lim: RequestLimits) -> None:
+    if not 1 <= p.max_new_tokens <= lim.max_new_tokens:
+        raise InvalidRequest(f"max_new_tokens={p.max_new_tokens} must be between 1 and {lim.max_new_tokens}",
+                             field="max_new_tokens")
     if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        raise InvalidRequest(f"temperature={p.temperature} must be a finite number >= 0 (0 = greedy)")
+        raise InvalidRequest(f"temperature={p.temperature} must be a finite number >= 0 (0 = greedy)",
+                             field="temperature")
     if p.top_k < 0:
-        raise InvalidRequest(f"top_k={p.top_k} must be >= 0 (0 = off)")
+        raise InvalidRequest(f"top_k={p.top_k} must be >= 0 (0 = off)", field="top_k")
     if not 0 < p.top_p <= 1:
-        raise InvalidRequest(f"top_p={p.top_p} must be in (0, 1] (1 = off)")
+        raise InvalidRequest(f"top_p={p.top_p} must be in (0, 1] (1 = off)", field="top_p")
     if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        raise InvalidRequest(f"repetition_penalty={p.repetition_penalty} must be a finite number > 0 (1 = off)")
-    if not _ids_ok(p.stop_token_ids, engine.vocab_size):
-        raise InvalidRequest(f"stop_token_ids={list(p.stop_token_ids)} must be token ids in [0, {engine.vocab_size})")
-    limit = min(cfg.max_beam_size, engine.scheduler.n_slots)
+        raise InvalidRequest(f"repetition_penalty={p.repetition_penalty} must be a finite number > 0 (1 = off)",
+                             field="repetition_penalty")
+    if not _ids_ok(p.stop_token_ids, lim.vocab_size):
+        raise InvalidRequest(f"stop_token_ids={list(p.stop_token_ids)} must be token ids in [0, {lim.vocab_size})",
+                             field="stop_token_ids")
+    limit = lim.max_beam_size
     if not 1 <= p.beam_size <= limit:
         raise InvalidRequest(f"beam_size={p.beam_size} must be between 1 and {limit} (max_beam_size and "
-                             f"KV slots of this engine)")
+                             f"KV slots of this engine)", field="beam_size")
     if p.beam_size > 1:
-        if not engine.is_encoder_decoder:
+        if not lim.is_encoder_decoder:
             raise InvalidRequest(f"beam_size={p.beam_size}: beam search is for translation (encoder-decoder) "
-                                 f"models; this model is decoder-only: use beam_size=1")
+                                 f"models; this model is decoder-only: use beam_size=1", field="beam_size")
         if p.temperature > 0:
             raise InvalidRequest(f"beam_size={p.beam_size} with temperature={p.temperature}: beam search is "
-                                 f"deterministic; set temperature=0")
+                                 f"deterministic; set temperature=0", field="beam_size")
     if not 1 <= p.n_best <= p.beam_size:
-        raise InvalidRequest(f"n_best={p.n_best} must be between 1 and beam_size={p.beam_size}")
+        raise InvalidRequest(f"n_best={p.n_best} must be between 1 and beam_size={p.beam_size}", field="n_best")
     if not math.isfinite(p.length_penalty):
-        raise InvalidRequest(f"length_penalty={p.length_penalty} must be a finite number")
+        raise InvalidRequest(f"length_penalty={p.length_penalty} must be a finite number", field="length_penalty")
 
 
-def check_request(req: GenerationRequest, engine: "Engine") -> RequestState:
+def check_request(req: GenerationRequest, lim: RequestLimits) -> RequestState:
     """Validate a request and build its engine state (handle and timings are set by the engine)."""
     if not isinstance(req.request_id, str) or not req.request_id:
-        raise InvalidRequest(f"request_id={req.request_id!r} must be a non-empty string")
+        raise InvalidRequest(f"request_id={req.request_id!r} must be a non-empty string", field="request_id")
     p = req.params
-    check_params(p, engine)
+    check_params(p, lim)
     ids, n = req.prompt_ids, len(req.prompt_ids) if isinstance(req.prompt_ids, (list, tuple)) else 0
-    what = "source" if engine.is_encoder_decoder else "prompt"
-    if n == 0 or not _ids_ok(ids, engine.vocab_size):
+    what = "source" if lim.is_encoder_decoder else "prompt"
+    if n == 0 or not _ids_ok(ids, lim.vocab_size):
         raise InvalidRequest(f"prompt_ids: the {what} must be a non-empty list of token ids in "
-                             f"[0, {engine.vocab_size}), got {str(ids)[:80]}")
-    longest = engine.config.max_prompt_tokens
-    if engine.is_encoder_decoder:
-        longest = min(longest, engine.max_src_len)
+                             f"[0, {lim.vocab_size}), got {str(ids)[:80]}", field="prompt_ids")
+    longest = lim.max_prompt_tokens
+    if lim.is_encoder_decoder:
+        longest = min(longest, lim.max_src_len)
+    else:  # the prompt itself must fit in the KV cache
+        longest = min(longest, lim.max_len)
     if n > longest:
         raise InvalidRequest(f"prompt_ids: the {what} has {n} tokens; at most {longest} are accepted",
-                             too_large=True)
-    rt = engine.runtime
-    decoder_prompt = [rt.bos_id] if engine.is_encoder_decoder else [int(i) for i in ids]
+                             field="prompt_ids", too_large=True)
+    decoder_prompt = [lim.bos_id] if lim.is_encoder_decoder else [int(i) for i in ids]
     # The KV cache must hold every token fed to the decoder: the decoder prompt and all but the last new token.
-    if len(decoder_prompt) + p.max_new_tokens - 1 > engine.max_len:
-        room = engine.max_len - len(decoder_prompt) + 1
+    if len(decoder_prompt) + p.max_new_tokens - 1 > lim.max_len:
+        room = lim.max_len - len(decoder_prompt) + 1
         raise InvalidRequest(f"{what} of {len(decoder_prompt)} decoder tokens + max_new_tokens={p.max_new_tokens} "
-                             f"exceeds the model's KV cache of {engine.max_len} tokens: ask for at most "
-                             f"{room} new tokens", too_large=True)
-    end_ids = frozenset(p.stop_token_ids) | ({engine.eos_id} if not p.ignore_eos else set())
-    source = [int(i) for i in ids] if engine.is_encoder_decoder else []
+                             f"exceeds the model's KV cache of {lim.max_len} tokens: ask for at most "
+                             f"{room} new tokens", field="max_new_tokens", too_large=True)
+    end_ids = frozenset(p.stop_token_ids) | ({lim.eos_id} if not p.ignore_eos else set())
+    source = [int(i) for i in ids] if lim.is_encoder_decoder else []
     state = RequestState(req=req, handle=None, decoder_prompt=decoder_prompt, source=source, end_ids=end_ids,
                          plain=is_plain_greedy(p))
     if p.beam_size > 1:

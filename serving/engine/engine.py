@@ -1,9 +1,8 @@
 """The inference engine: many concurrent generation requests over one ModelRuntime, on token ids only.
 
-Owns: the public engine API the server codes against (EngineConfig, Engine, RequestHandle), request
-validation, the step loop (schedule -> run -> update), streaming TokenEvents, finishing requests (stop
-ids, length, cancellation, deadlines, errors), run_batch for request-level batching, live reconfiguration
-and the per-step / per-request stats handed to observers.
+Owns: the public engine API the server codes against (Engine, RequestHandle), admission, the step loop
+(schedule -> run -> update), streaming TokenEvents, finishing requests (stop ids, length, cancellation,
+deadlines, errors), live reconfiguration and the per-step / per-request stats handed to observers.
 
 The loop runs on the event loop; each step's ONNX Runtime work and token choice run in one worker thread
 (serving/engine/runner.py), so the loop yields between steps and HTTP keeps being served. All scheduler
@@ -15,9 +14,9 @@ the source without special tokens and the decoder starts from bos. The token tha
 stop id) is not streamed. A beam-search request streams its best hypothesis' tokens when the search ends,
 then the final event with the n-best hypotheses. Stop strings are the HTTP layer's (it cancels).
 
-Does not own: tokenization, HTTP, Ray, metrics export, the slot layout and batching policy
-(serving/engine/scheduler.py), sampling (serving/engine/sampling.py), beam search (serving/engine/beam.py), sessions
-(serving/engine/runtime.py).
+Does not own: tokenization, HTTP, Ray, metrics export, the knobs (serving/engine/config.py), request checks
+(checks.py), the slot layout and batching policy (scheduler.py), sampling (sampling.py), beam search
+(beam.py), sessions (runtime.py).
 """
 from __future__ import annotations
 
@@ -29,46 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from serving.engine.checks import check_request
+from serving.engine.checks import RequestLimits, check_request
+from serving.engine.config import EngineConfig, ReplicaKnobs
 from serving.engine.runner import RequestState, Runtime, StepResult, StepRunner
-from serving.engine.scheduler import Phase, Scheduler, SchedulerLimits, Sequence, StepPlan
-from serving.engine.types import (AdmissionRejected, BatchingMode, EngineDead, FinishReason, GenerationRequest,
+from serving.engine.scheduler import Phase, Scheduler, Sequence, StepPlan
+from serving.engine.types import (AdmissionRejected, EngineDead, FinishReason, GenerationRequest,
                            InvalidRequest, RequestStats, StepStats, TokenEvent)
 
 log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILURES = 3  # failing steps in a row before the engine declares itself dead
-
-
-class EngineConfig(BaseModel):
-    """Engine knobs. The batching knobs change live (`Engine.reconfigure`); the others size buffers."""
-    model_config = ConfigDict(extra="forbid")
-
-    batching: BatchingMode = Field(BatchingMode.CONTINUOUS, description="continuous, request or none.")
-    max_slots: int = Field(16, ge=1, le=4096, description="KV slots in the pool = most rows in one step.")
-    max_waiting: int = Field(64, ge=0, le=1_000_000, description=(
-        "Requests that may wait beyond the free slots; more -> AdmissionRejected('queue_full')."))
-    max_waiting_tokens: int = Field(1 << 22, ge=1, le=1 << 40, description=(
-        "Bound on the queued work (prompt + max_new_tokens per beam); more -> 'queue_tokens'."))
-    max_tokens_per_step: int = Field(2048, ge=1, le=1_000_000, description=(
-        "Token budget of one step (continuous mode): decode rows first, prefill gets the rest "
-        "(rows x padded length + encoder tokens); decode rows always run even beyond it."))
-    max_batch_size: int = Field(16, ge=1, le=4096, description=(
-        "Request-level mode: start a batch once this many requests wait (capped at max_slots)."))
-    batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=60.0, description=(
-        "Request-level mode: ...or once the oldest waiting request has waited this long."))
-    provider: str = Field("auto", pattern=r"^(auto|cpu|cuda)$", description="ONNX Runtime provider.")
-    intra_op_threads: int | None = Field(None, ge=1, le=256, description="ORT intra-op threads (None: ORT's).")
-    max_prompt_tokens: int = Field(4096, ge=1, le=1 << 20, description="Longest prompt / source accepted.")
-    max_new_tokens: int = Field(4096, ge=1, le=1 << 20, description="Largest max_new_tokens accepted.")
-    max_beam_size: int = Field(8, ge=1, le=64, description="Largest beam_size accepted (<= max_slots).")
-
-    def limits(self) -> SchedulerLimits:
-        return SchedulerLimits(mode=self.batching, max_waiting=self.max_waiting,
-                               max_waiting_tokens=self.max_waiting_tokens,
-                               max_tokens_per_step=self.max_tokens_per_step,
-                               max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s)
 
 
 class RequestHandle:
@@ -109,8 +77,8 @@ class Engine:
         self.runtime, self.config = runtime, config
         self.is_encoder_decoder = runtime.is_encoder_decoder
         self.vocab_size, self.eos_id, self.max_len = runtime.vocab_size, runtime.eos_id, runtime.max_len
-        self.max_src_len = getattr(runtime, "max_src_len", None) or runtime.max_len
-        self.scheduler = Scheduler(config.max_slots, runtime.max_len, config.limits())
+        self.scheduler = Scheduler(config.max_slots, runtime.max_len, config.batching_knobs())
+        self.request_limits = RequestLimits.of(runtime, config)
         self._runner = StepRunner(runtime)
         self._live: dict[str, Sequence] = {}
         self._observers: list[tuple[Callable | None, Callable | None]] = []
@@ -118,7 +86,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._accepting, self._stopping, self._dead = True, False, False
-        self._failures, self._group = 0, 0
+        self._failures = 0
         # Events of the last step, handed to the streams once the next step's compute has started (see _flush).
         self._outbox: list[tuple[RequestHandle, TokenEvent]] = []
 
@@ -155,7 +123,20 @@ class Engine:
             self._executor = None
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        return self._submit([req], group=None)[0]
+        """Queue a request (or raise AdmissionRejected / InvalidRequest / EngineDead); iterate the handle."""
+        if self._dead:
+            raise EngineDead("the engine's step loop failed and stopped; the replica must be restarted")
+        if not self._accepting:
+            raise AdmissionRejected("shutting_down", 1.0)
+        if req.request_id in self._live:
+            raise InvalidRequest(f"request_id {req.request_id!r} is already in flight; use a unique id",
+                                 field="request_id")
+        now = time.monotonic()
+        seq = self._sequence(req, now)
+        self.scheduler.add([seq], now)
+        self._live[seq.request_id] = seq
+        self._wake.set()
+        return seq.payload.handle
 
     def cancel(self, request_id: str) -> None:
         seq = self._live.get(request_id)
@@ -163,28 +144,15 @@ class Engine:
             seq.cancelled = True
             self._wake.set()
 
-    async def run_batch(self, reqs: list[GenerationRequest]) -> list[list[TokenEvent]]:
-        """Run exactly these requests together to their end (request-level batching; all or none admitted)."""
-        self._group += 1
-        handles = self._submit(reqs, group=self._group)
-
-        async def collect(h: RequestHandle) -> list[TokenEvent]:
-            return [event async for event in h]
-        try:
-            return list(await asyncio.gather(*(collect(h) for h in handles)))
-        except asyncio.CancelledError:
-            for h in handles:
-                h.cancel()
-            raise
-
     def reconfigure(self, config: EngineConfig) -> None:
-        fixed = ("max_slots", "provider", "intra_op_threads")
-        changed = [f for f in fixed if getattr(config, f) != getattr(self.config, f)]
+        """Apply new batching knobs and request bounds live; the replica knobs cannot change."""
+        changed = [f for f in ReplicaKnobs.model_fields if getattr(config, f) != getattr(self.config, f)]
         if changed:
             raise ValueError(f"{changed} cannot change on a running engine (they size buffers or sessions); "
                              f"restart the replica to change them")
         self.config = config
-        self.scheduler.limits = config.limits()
+        self.scheduler.knobs = config.batching_knobs()
+        self.request_limits = RequestLimits.of(self.runtime, config)
         self._wake.set()
 
     def add_observer(self, on_step: Callable[[StepStats], None] | None,
@@ -194,40 +162,17 @@ class Engine:
     def snapshot(self) -> dict:
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting), "slots_used": s.slots_used,
-                "slots_total": s.n_slots, "mode": s.limits.mode.value, "dead": self._dead,
+                "slots_total": s.n_slots, "mode": s.knobs.batching.value, "dead": self._dead,
                 "accepting": self._accepting}
 
     # ---- admission ---------------------------------------------------------------------------------
-    def _submit(self, reqs: list[GenerationRequest], group: int | None) -> list[RequestHandle]:
-        if self._dead:
-            raise EngineDead("the engine's step loop failed and stopped; the replica must be restarted")
-        if not self._accepting:
-            raise AdmissionRejected("shutting_down", 1.0)
-        ids = [r.request_id for r in reqs]
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest(f"request_id values must be unique within a batch, got {ids}")
-        seqs = []
-        now = time.monotonic()
-        for req in reqs:
-            if req.request_id in self._live:
-                raise InvalidRequest(f"request_id {req.request_id!r} is already in flight; use a unique id")
-            seqs.append(self._sequence(req, group, now))
-        if group is not None and sum(s.width for s in seqs) > self.scheduler.n_slots:
-            raise InvalidRequest(f"a batch of {len(seqs)} requests needs {sum(s.width for s in seqs)} KV slots; "
-                                 f"the engine has max_slots={self.scheduler.n_slots}: send smaller batches")
-        self.scheduler.add(seqs, now)
-        for s in seqs:
-            self._live[s.request_id] = s
-        self._wake.set()
-        return [s.payload.handle for s in seqs]
-
-    def _sequence(self, req: GenerationRequest, group: int | None, now: float) -> Sequence:
-        state = check_request(req, self)
+    def _sequence(self, req: GenerationRequest, now: float) -> Sequence:
+        state = check_request(req, self.request_limits)
         state.handle, state.submitted = RequestHandle(req.request_id, self), now
         p = req.params
         return Sequence(request_id=req.request_id, prefill_len=len(state.decoder_prompt), width=p.beam_size,
                         src_len=len(req.prompt_ids) if self.is_encoder_decoder else 0,
-                        max_new_tokens=p.max_new_tokens, deadline=req.deadline, group=group, payload=state)
+                        max_new_tokens=p.max_new_tokens, deadline=req.deadline, payload=state)
 
     # ---- the step loop -----------------------------------------------------------------------------
     async def _loop(self) -> None:

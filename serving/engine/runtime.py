@@ -3,10 +3,10 @@
 Owns: provider choice (CUDA EP only where onnxruntime has it and a GPU is visible, else the CPU EP),
 session options (threads set explicitly), the preallocated slot buffers (per decoder layer, self-attention
 keys/values `[n_slots, H, M, Dh]` and, for translation, cross-attention keys/values
-`[n_slots, H, max_src_len, Dh]` plus each slot's source length), and four operations on slots:
+`[n_slots, H, max_src_len, Dh]` plus each slot's source length), and three operations on slots:
 `encode` (encoder run, cross keys/values written into slots), `step` (one decoder step on contiguous
-slots, KV updated in place through IOBinding: past and present bound to the same rows), `copy_slots`
-(beam reordering, compaction) and `reset_slots`.
+slots, KV updated in place through IOBinding: past and present bound to the same rows) and `copy_slots`
+(beam reordering, compaction); a freed slot needs no reset, its rows are overwritten by the next prefill.
 
 Decoder graph: on the CPU EP, a bundle's `decoder_cpu.onnx` where it has one (GroupQueryAttention: per-row
 cache lengths, no prefix copies; export/contract.py), else the portable `decoder.onnx`. That kernel runs a
@@ -18,7 +18,7 @@ copies and the placement of encoder outputs run as two tiny ONNX graphs (Gather+
 bound in place, so the same code path serves the CPU and CUDA EPs.
 
 TORCH-FREE (numpy + onnxruntime + onnx.helper). Does not own: scheduling, sampling, tokenization
-(serving/engine*), bundle verification (export/bundle.py).
+(the rest of serving/engine/), bundle verification (export/bundle.py).
 """
 from __future__ import annotations
 
@@ -317,10 +317,6 @@ class ModelRuntime:
         io.bind_cpu_input("dst", dst_a)
         self._copy.run_with_iobinding(io)
         self._src_len[dst_a] = self._src_len[src_a]
-
-    def reset_slots(self, slots: Sequence[int]) -> None:
-        """Forget the sources of these slots (their KV rows are simply overwritten by the next prefill)."""
-        self._src_len[np.asarray(slots, np.int64)] = 0
 
     def read_cache(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Self-attention keys and values of one layer, all slots (debugging, tests)."""

@@ -23,11 +23,13 @@ Does not own: tokens, sampling, events, the runtime (serving/engine/engine.py ru
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from serving.engine.config import BatchingKnobs
 from serving.engine.types import AdmissionRejected, BatchingMode, FinishReason
 
 
@@ -49,7 +51,6 @@ class Sequence:
     max_new_tokens: int = 1
     arrival: float = 0.0
     deadline: float | None = None
-    group: int | None = None  # run_batch group: admitted together in REQUEST mode
     payload: Any = None
     phase: Phase = Phase.WAITING
     slots: list[int] = field(default_factory=list)
@@ -93,19 +94,9 @@ class StepPlan:
         return self.decode_rows == 0 and not self.prefill
 
 
-@dataclass
-class SchedulerLimits:
-    mode: BatchingMode = BatchingMode.CONTINUOUS
-    max_waiting: int = 64
-    max_waiting_tokens: int = 1 << 20
-    max_tokens_per_step: int = 2048
-    max_batch_size: int = 16
-    batch_wait_timeout_s: float = 0.01
-
-
 class Scheduler:
-    def __init__(self, n_slots: int, max_len: int, limits: SchedulerLimits) -> None:
-        self.n_slots, self.max_len, self.limits = n_slots, max_len, limits
+    def __init__(self, n_slots: int, max_len: int, knobs: BatchingKnobs) -> None:
+        self.n_slots, self.max_len, self.knobs = n_slots, max_len, knobs
         self.owner: list[Sequence | None] = [None] * n_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # PREFILL, DECODE and HELD
@@ -118,9 +109,9 @@ class Scheduler:
         """Queue requests (all or none) or raise AdmissionRejected."""
         work = sum(s.work_tokens() for s in seqs)
         # Requests that free slots take at the next step do not really wait: they are not counted.
-        if len(self.waiting) + len(seqs) > self.limits.max_waiting + self.n_slots - self.slots_used:
+        if len(self.waiting) + len(seqs) > self.knobs.max_waiting + self.n_slots - self.slots_used:
             raise AdmissionRejected("queue_full", self.retry_after(now, len(seqs)))
-        if self.waiting and self._waiting_tokens + work > self.limits.max_waiting_tokens:
+        if self.waiting and self._waiting_tokens + work > self.knobs.max_waiting_tokens:
             raise AdmissionRejected("queue_tokens", self.retry_after(now, len(seqs)))
         for s in seqs:
             s.arrival = now
@@ -131,7 +122,7 @@ class Scheduler:
         """Seconds until about n queue places free up, from the completion rate of the last requests."""
         times = [t for t in self._finish_times if now - t < 60.0]
         rate = (len(times) - 1) / max(now - times[0], 1e-3) if len(times) >= 2 else 0.0
-        over = max(1, len(self.waiting) + n - self.limits.max_waiting - (self.n_slots - self.slots_used))
+        over = max(1, len(self.waiting) + n - self.knobs.max_waiting - (self.n_slots - self.slots_used))
         return float(min(60.0, max(0.5, over / rate))) if rate > 0 else 1.0
 
     # ---- bookkeeping ------------------------------------------------------------------------------
@@ -146,7 +137,7 @@ class Scheduler:
     def finish(self, seq: Sequence, now: float) -> None:
         """The engine finished a running request (stop, length, error): free or hold its slots."""
         self._finish_times.append(now)
-        if self.limits.mode == BatchingMode.REQUEST and seq.phase != Phase.PREFILL:
+        if self.knobs.batching == BatchingMode.REQUEST and seq.phase != Phase.PREFILL:
             seq.phase = Phase.HELD
             if any(s.phase != Phase.HELD for s in self.running):
                 return
@@ -181,13 +172,13 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
         self._reap(now, plan)
-        if self.limits.mode != BatchingMode.REQUEST or not any(s.phase != Phase.HELD for s in self.running):
+        if self.knobs.batching != BatchingMode.REQUEST or not any(s.phase != Phase.HELD for s in self.running):
             for s in [s for s in self.running if s.phase == Phase.HELD]:  # mode changed under a batch
                 self._release(s)
         plan.moves = self._compact()
         plan.decode_rows = self.decode_slots
         plan.prefill_start = plan.decode_rows
-        if self.limits.mode == BatchingMode.CONTINUOUS:
+        if self.knobs.batching == BatchingMode.CONTINUOUS:
             self._admit_continuous(plan, now)
         elif not self.running:
             self._admit_batch(plan, now)
@@ -256,7 +247,7 @@ class Scheduler:
         plan.prefill.append(Chunk(seq, seq.prefilled, length))
 
     def _admit_continuous(self, plan: StepPlan, now: float) -> None:
-        budget = self.limits.max_tokens_per_step - plan.decode_rows
+        budget = self.knobs.max_tokens_per_step - plan.decode_rows
         free = self.n_slots - self.slots_used
         rows, t_max, w_max, enc = 0, 0, 0, 0
         candidates = [s for s in self.running if s.phase == Phase.PREFILL] + list(self.waiting)
@@ -291,16 +282,13 @@ class Scheduler:
         if not self.waiting:
             return
         head = self.waiting[0]
-        if self.limits.mode == BatchingMode.NONE:
+        if self.knobs.batching == BatchingMode.NONE:
             batch = [head]
-        elif head.group is not None:
-            batch = [s for s in self.waiting if s.group == head.group]
         else:
-            size = min(self.limits.max_batch_size, self.n_slots)
-            ready = [s for s in self.waiting if s.group is None][:size]
-            if len(ready) < size and now - head.arrival < self.limits.batch_wait_timeout_s:
+            size = min(self.knobs.max_batch_size, self.n_slots)
+            batch = list(itertools.islice(self.waiting, size))
+            if len(batch) < size and now - head.arrival < self.knobs.batch_wait_timeout_s:
                 return
-            batch = ready
         free = self.n_slots
         for seq in batch:
             if seq.width > free:
@@ -311,7 +299,7 @@ class Scheduler:
     def _wake_in(self, now: float) -> float | None:
         """How long the engine may sleep while requests wait but nothing can run yet."""
         times = [s.deadline - now for s in self.waiting if s.deadline is not None]
-        if self.limits.mode == BatchingMode.REQUEST and not self.running:
-            times.append(self.waiting[0].arrival + self.limits.batch_wait_timeout_s - now)
+        if self.knobs.batching == BatchingMode.REQUEST and not self.running:
+            times.append(self.waiting[0].arrival + self.knobs.batch_wait_timeout_s - now)
         return max(0.0, min(times)) if times else None
 

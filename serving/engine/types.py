@@ -87,7 +87,7 @@ class StepStats:
 
 
 class EngineError(Exception):
-    """Base of the errors the HTTP layer maps to status codes (in one place, serving/server/api.py)."""
+    """Base of the errors the HTTP layer maps to status codes (in one place, serving/server/errors.py)."""
 
 
 class AdmissionRejected(EngineError):
@@ -99,11 +99,17 @@ class AdmissionRejected(EngineError):
 
 
 class InvalidRequest(EngineError):
-    """The request cannot be served as given (e.g. prompt longer than the KV cache): HTTP 400/413."""
+    """The request cannot be served as given (e.g. prompt longer than the KV cache): HTTP 422/413.
 
-    def __init__(self, message: str, too_large: bool = False) -> None:
+    `field` names the GenerationRequest field at fault in the engine's terms (prompt_ids, max_new_tokens,
+    beam_size, ... as in SamplingParams); the server translates it to its API field name."""
+
+    def __init__(self, message: str, field: str | None = None, too_large: bool = False) -> None:
         super().__init__(message)
-        self.too_large = too_large
+        self.field, self.too_large = field, too_large
+
+    def __reduce__(self) -> tuple:  # pickles across Ray with its fields
+        return InvalidRequest, (str(self), self.field, self.too_large)
 
 
 class EngineDead(EngineError):

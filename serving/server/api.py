@@ -1,47 +1,42 @@
-"""The HTTP API (FastAPI): routes, Server-Sent Events, limits, and the ONE place where errors become statuses.
+"""The HTTP API (FastAPI): the app, its routes, the server's limits on a request, and its middleware.
 
 Routes: POST /v1/translate, POST /v1/generate (SSE with "stream": true), POST /v1/completions and
 GET /v1/models (OpenAI-compatible), GET /v2/health/live, GET /v2/health/ready, GET /metrics.
 
-The app talks to models through a `Backend` (serving/server/app.py's Ray handles in production, in-process
-`ModelService`s in tests), so this module knows nothing about Ray. Status mapping (`_STATUS`): invalid
-input 422, unknown model 404, body or prompt over the limit 413, overload 429 + Retry-After, past the
-deadline 504, model unavailable or draining 503 (+ Retry-After: it can be retried), missing API key 401;
-an unexpected exception is the only 500. Error bodies are always `{"error": {"type", "message", "field"}}`.
-Bodies are in serving/server/schemas.py; text handling (stop strings, usage, timings) in serving/server/service.py;
-the API key check in serving/server/auth.py; refusing new requests while shutting down in serving/server/drain.py.
+Owns: building `SamplingParams` and `TextRequest`s from the bodies, the limits from the server's config
+(max_tokens, texts per request, beam size, stop strings; `BodyLimit` for the body's bytes), the response
+shapes, and per-request metrics (`RequestMetrics`). The app talks to models through a `Backend`
+(serving/server/ingress.py's Ray handles in production, in-process `ModelService`s in tests), so this
+module knows nothing about Ray.
+
+Does not own: errors -- a route raises `ServiceError`, and serving/server/errors.py, the one place where
+errors become statuses, answers it (and validation errors, 404/405 and unexpected exceptions). Bodies are in
+serving/server/schemas.py; text handling (stop strings, usage, timings) in serving/server/service.py; the API
+key check in serving/server/auth.py; refusing new requests while shutting down in serving/server/drain.py.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.server.stream import DEADLINE_GRACE_S, completion_events, generate_events, openai_finish, start_stream
-from serving.server.auth import BearerAuth, app_path, key_sha256
+from serving.server.asgi import app_path
+from serving.server.auth import BearerAuth, key_sha256
 from serving.server.config import Limits
 from serving.server.drain import Drain, DrainGate
+from serving.server.errors import ErrorKind, ServiceError, error_response, install_error_handlers
 from serving.server.metrics import Recorder
 from serving.server.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, TranslateRequest,
                              TranslateResponse)
-from serving.server.service import ErrorKind, ServiceError, StreamPiece, TextRequest, TextResult
+from serving.server.service import StreamPiece, TextRequest, TextResult
 from serving.engine.types import SamplingParams
-
-log = logging.getLogger(__name__)
-
-_STATUS = {ErrorKind.INVALID: 422, ErrorKind.TOO_LARGE: 413, ErrorKind.OVERLOADED: 429,
-           ErrorKind.DEADLINE: 504, ErrorKind.UNAVAILABLE: 503, ErrorKind.NOT_FOUND: 404}
-ECHO_CHARS = 120  # an invalid value is quoted in the error message up to this many characters
 
 
 class Backend(Protocol):
@@ -50,16 +45,6 @@ class Backend(Protocol):
     def stream(self, model: str, req: TextRequest) -> AsyncIterator[StreamPiece | TextResult]: ...
     async def ready(self) -> bool: ...
     async def metrics_text(self) -> str: ...
-
-
-def _utf8_safe(text: str) -> str:
-    """A lone surrogate sent by a client (JSON allows "\\ud800") cannot be encoded; show it escaped."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def error_body(kind: str, message: str, field: str | None = None) -> dict:
-    return {"error": {"type": kind, "message": _utf8_safe(message),
-                      "field": _utf8_safe(field) if field is not None else None}}
 
 
 def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: str | None = None,
@@ -73,7 +58,7 @@ def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: st
     app.add_middleware(BearerAuth, key_sha256=key_sha256(api_key))
     app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(RequestMetrics, recorder=recorder)
-    _install_error_handlers(app, recorder)
+    install_error_handlers(app, recorder)
     routes = _Routes(backend, limits, drain)
     app.post("/v1/translate", response_model=TranslateResponse)(routes.translate)
     app.post("/v1/generate", response_model=GenerateResponse)(routes.generate)
@@ -101,7 +86,7 @@ class _Routes:
                 raise ServiceError(ErrorKind.INVALID, f"{name}={value} exceeds this server's limit {limit}",
                                    field=name)
         params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), beam_size=body.beam_size,
-                                n_best=body.n_best or 1)
+                                n_best=body.n_best or 1, length_penalty=body.length_penalty)
         deadline, started = self._deadline(), time.monotonic()
         reqs = [TextRequest(t, params, deadline, field="text" if isinstance(body.text, str) else f"text[{i}]")
                 for i, t in enumerate(texts)]
@@ -114,7 +99,8 @@ class _Routes:
         stops = _stops(body.stop, self.limits)
         params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), temperature=body.temperature,
                                 top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
-                                seed=body.seed, stop_strings=stops, ignore_eos=body.ignore_eos)
+                                seed=body.seed, stop_strings=stops, stop_token_ids=tuple(body.stop_token_ids or ()),
+                                ignore_eos=body.ignore_eos)
         treq = TextRequest(body.prompt, params, self._deadline())
         started = time.monotonic()
         if body.stream:
@@ -127,7 +113,8 @@ class _Routes:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         model = self._resolve(body.model, None, request)
         params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), temperature=body.temperature,
-                                top_p=body.top_p, seed=body.seed, stop_strings=_stops(body.stop, self.limits))
+                                top_p=body.top_p, seed=body.seed, stop_strings=_stops(body.stop, self.limits),
+                                stop_token_ids=tuple(body.stop_token_ids or ()))
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) > self.limits.max_texts:
             raise ServiceError(ErrorKind.TOO_LARGE, f"prompt has {len(prompts)} entries; the limit is "
@@ -246,85 +233,6 @@ def _sse(events: AsyncIterator[dict | str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-# -- errors -------------------------------------------------------------------------------------------
-def service_error_response(e: ServiceError) -> JSONResponse:
-    status = _STATUS[e.kind]
-    # 429 and 503 can be retried: Retry-After says when (RFC 9110 sections 15.5.21 and 15.6.4).
-    headers = {"Retry-After": str(max(1, round(e.retry_after_s or 1)))} if status in (429, 503) else None
-    return JSONResponse(error_body(e.kind.value, e.message, e.field), status_code=status, headers=headers)
-
-
-def _install_error_handlers(app: FastAPI, recorder: Recorder) -> None:
-    @app.exception_handler(ServiceError)
-    async def _service(request: Request, e: ServiceError) -> JSONResponse:
-        if e.kind == ErrorKind.OVERLOADED:  # the engine's refusals and Ray's backpressure alike
-            model = getattr(request.state, "model", "none")
-            recorder.inc("kvserve_rejections_total", {"model": model, "reason": e.reason or "overloaded"})
-        return service_error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        field, message = _validation_message(e)
-        return JSONResponse(error_body(ErrorKind.INVALID.value, message, field), status_code=422)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {400: ErrorKind.INVALID.value, 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-                413: ErrorKind.TOO_LARGE.value}.get(e.status_code, "http_error")
-        field = "body" if e.status_code in (400, 413) else None
-        return JSONResponse(error_body(kind, _http_message(request, e), field), status_code=e.status_code,
-                            headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body("internal_error", f"internal error: {type(e).__name__}"), status_code=500)
-
-
-ROUTES_HINT = ("POST /v1/translate, POST /v1/generate, POST /v1/completions, GET /v1/models, "
-               "GET /v2/health/live, GET /v2/health/ready, GET /metrics")
-
-
-def _http_message(request: Request, e: StarletteHTTPException) -> str:
-    """Starlette's terse details ("Not Found") made to say what was asked and what exists."""
-    path = _clip(app_path(request.scope), ECHO_CHARS)
-    if e.status_code == 404 and e.detail == "Not Found":
-        return f"no route {request.method} {path}; this server has {ROUTES_HINT}"
-    if e.status_code == 405:
-        allowed = (e.headers or {}).get("Allow", "")
-        return f"method {request.method} is not allowed on {path}; use {allowed or 'another method'}"
-    if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not parse the body at all
-        cause = e.__cause__
-        return _clip(f"the request body could not be parsed as JSON: {type(cause).__name__}: {cause}", 300)
-    return str(e.detail)
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# pydantic names the member of a union (`str | list[str]`) it tried in the error location; users never see it
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list|dict|function-[a-z-]+)(\[.*\])?$")
-
-
-def _validation_message(e: RequestValidationError) -> tuple[str | None, str]:
-    """(field, message) of the most telling validation error: the field path, what is wrong, the value
-    (clipped). Of a union's errors, one about the value beats "should be a valid <type>"."""
-    errors = e.errors()
-    err = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0]) if errors else {
-        "loc": (), "msg": "invalid request"}
-    if err.get("type") == "json_invalid":  # loc is ("body", character offset)
-        where = err.get("loc", ("body", "?"))[-1]
-        detail = (err.get("ctx") or {}).get("error", "invalid JSON")
-        return "body", f"the request body is not valid JSON: {detail} at character {where}"
-    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
-    field = _clip(".".join(loc), ECHO_CHARS) or None
-    got = ""
-    if "input" in err and not isinstance(err["input"], dict):
-        got = f" (got {_clip(repr(err['input']), ECHO_CHARS)})"
-    return field, f"{field or 'body'}: {err.get('msg', 'invalid')}{got}"
-
-
 # -- ASGI middleware ----------------------------------------------------------------------------------
 class BodyLimit:
     """413 for a body over `max_bytes`, by Content-Length or while reading a chunked body."""
@@ -337,8 +245,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            response = JSONResponse(error_body(ErrorKind.TOO_LARGE.value, self._message(int(length)), "body"),
-                                    status_code=413)
+            response = error_response(ErrorKind.TOO_LARGE, self._message(int(length)), "body")
             return await response(scope, receive, send)
         seen = 0
 

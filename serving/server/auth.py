@@ -12,7 +12,8 @@ middleware list either), and compares the digest of the presented token with `hm
 (constant time; fixed-length digests do not leak the key's length). Neither the key nor the presented
 token is ever logged or put in a response.
 
-Does not own: where the key comes from (serving/server/config.py), the error body shape (serving/server/api.py).
+Does not own: where the key comes from (serving/server/config.py), the 401 answer itself (its status, body and
+`WWW-Authenticate: Bearer` challenge: serving/server/errors.py).
 """
 from __future__ import annotations
 
@@ -20,16 +21,11 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
-from starlette.responses import JSONResponse
+from serving.server.asgi import app_path
+from serving.server.errors import ErrorKind, error_response
 
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 UNAUTHORIZED = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
-
-
-def app_path(scope: dict) -> str:
-    """The path inside the app (Ray Serve keeps the route_prefix in `path` and sets `root_path`)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
 
 
 def _digest(value: bytes) -> bytes:
@@ -65,6 +61,4 @@ class BearerAuth:
         authorization = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
         if self.allows(authorization):
             return await self.app(scope, receive, send)
-        response = JSONResponse({"error": {"type": "unauthorized", "message": UNAUTHORIZED, "field": "authorization"}},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        await error_response(ErrorKind.UNAUTHORIZED, UNAUTHORIZED, "authorization")(scope, receive, send)

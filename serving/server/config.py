@@ -1,17 +1,18 @@
 """The server's configuration: one validated pydantic object per process boundary, parsed once at startup.
 
 - `AppArgs` is `applications[].args` of the Serve config (deploy/serve_config.yaml): where the bundles are,
-  each model's engine knobs that are fixed when a replica starts (KV slots, provider, threads), and the
-  HTTP limits. `serving.server.app.build_app` parses it; nothing else reads the raw dict.
-- `LiveKnobs` is a model deployment's `user_config`: the batching knobs that `reconfigure` changes live.
+  each model's engine knobs that are fixed when a replica starts (`ReplicaKnobs`: KV slots, provider,
+  threads), and the HTTP limits. `serving.server.app.build_app` parses it; nothing else reads the raw dict.
+- A model deployment's `user_config` is the engine's `BatchingKnobs`, which `reconfigure` applies live.
 - `IngressKnobs` is the ingress deployment's `user_config`: the graceful drain switch (serving/server/drain.py).
 - `load_serve_config` / `validate_serve_config` check a whole Serve config offline (Ray's own schema, then ours),
   for `kvserve serve`, tests and the deploy tooling.
 
 Deployment-level knobs (replicas, autoscaling, max_ongoing_requests, max_queued_requests, actor options)
 stay in Ray's own schema, which `load_serve_config` validates with `ServeDeploySchema`; this module adds
-the checks Ray cannot know (e.g. max_ongoing_requests >= max_batch_size). Not here: the engine's own
-config class (serving/engine/engine.py `EngineConfig`), which `engine_config()` builds from these pieces.
+the checks Ray cannot know (e.g. max_ongoing_requests >= max_batch_size). The engine's knobs are declared
+once, in serving/engine/config.py, and used here as they are; `engine_config()` composes the engine's
+`EngineConfig` from the pieces of the Serve config.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from serving.engine.config import BatchingKnobs, EngineConfig, ReplicaKnobs, RequestBounds
 from serving.engine.types import BatchingMode
 
 MODEL_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -32,29 +34,6 @@ INGRESS_DEPLOYMENT = "ingress"
 class _Strict(BaseModel):
     # Unknown keys are errors: Ray's schema ignores them, so a typo would otherwise pass silently.
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class StaticEngineKnobs(_Strict):
-    """Engine settings fixed for a replica's lifetime (they size buffers or sessions)."""
-    max_slots: int = Field(16, ge=1, le=1024, description="KV-cache slots = most rows in one engine step.")
-    provider: str = Field("auto", pattern=r"^(auto|cpu|cuda)$",
-                          description="ONNX Runtime provider: auto (CUDA where a GPU is visible), cpu or cuda.")
-    intra_op_threads: int | None = Field(None, ge=1, le=256,
-                                         description="ONNX Runtime intra-op threads per replica; None = ORT default.")
-
-
-class LiveKnobs(_Strict):
-    """A model deployment's `user_config`: batching knobs, applied live by `reconfigure`."""
-    batching: BatchingMode = Field(BatchingMode.CONTINUOUS,
-                                   description="continuous (iteration-level), request (@serve.batch) or none.")
-    max_waiting: int = Field(64, ge=0, le=100_000,
-                             description="Bounded waiting queue of the engine; beyond it requests get 429.")
-    max_tokens_per_step: int = Field(2048, ge=1, le=1_000_000,
-                                     description="Token budget (prefill + decode) of one engine step.")
-    max_batch_size: int = Field(16, ge=1, le=1024,
-                                description="Request-level mode: run a batch once this many requests wait...")
-    batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=10.0,
-                                        description="...or once the oldest has waited this long (seconds).")
 
 
 class IngressKnobs(_Strict):
@@ -82,6 +61,12 @@ class Limits(_Strict):
             raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens={self.max_tokens}")
         return self
 
+    def engine_bounds(self) -> RequestBounds:
+        """What the engine enforces per request. It counts the bos that serving/server/service.py puts before
+        an LM's prompt; the user's limit does not."""
+        return RequestBounds(max_prompt_tokens=self.max_prompt_tokens + 1, max_new_tokens=self.max_tokens,
+                             max_beam_size=self.max_beam_size)
+
     @property
     def default_tokens(self) -> int:
         return self.default_max_tokens if self.default_max_tokens is not None else min(128, self.max_tokens)
@@ -91,7 +76,7 @@ class ModelSpec(_Strict):
     """One served model: a bundle directory and its replica-lifetime engine knobs."""
     name: str = Field(..., description="Model name in the API and Serve deployment name, e.g. 'translate'.")
     bundle: Path = Field(..., description="Bundle directory; relative paths are under AppArgs.artifacts_dir.")
-    engine: StaticEngineKnobs = Field(default_factory=StaticEngineKnobs)
+    engine: ReplicaKnobs = Field(default_factory=ReplicaKnobs)
 
     @field_validator("name")
     @classmethod
@@ -133,16 +118,9 @@ class AppArgs(_Strict):
         return self.api_key.get_secret_value() if self.api_key else None
 
 
-def engine_config(spec: ModelSpec, live: LiveKnobs, limits: Limits) -> Any:
-    """The engine's EngineConfig for one model: static knobs + live knobs + the request limits it enforces."""
-    from serving.engine.engine import EngineConfig  # the engine owns its config class
-
-    # The engine counts the bos that serving/server/service.py puts before an LM's prompt; the user's limit does not.
-    values: dict[str, Any] = {**spec.engine.model_dump(), **live.model_dump(),
-                              "max_prompt_tokens": limits.max_prompt_tokens + 1, "max_new_tokens": limits.max_tokens,
-                              "max_beam_size": limits.max_beam_size}
-    known = EngineConfig.model_fields
-    return EngineConfig(**{k: v for k, v in values.items() if k in known})
+def engine_config(spec: ModelSpec, live: BatchingKnobs, limits: Limits) -> EngineConfig:
+    """The engine's config for one model: its replica knobs, the live batching knobs and the request bounds."""
+    return EngineConfig.compose(spec.engine, live, limits.engine_bounds())
 
 
 def check_deployments(app: dict[str, Any], args: AppArgs) -> None:
@@ -155,7 +133,7 @@ def check_deployments(app: dict[str, Any], args: AppArgs) -> None:
     IngressKnobs.model_validate(deployments.get(INGRESS_DEPLOYMENT, {}).get("user_config") or {})
     for spec in args.models:
         dep = deployments.get(spec.name, {})
-        live = LiveKnobs.model_validate(dep.get("user_config") or {})
+        live = BatchingKnobs.model_validate(dep.get("user_config") or {})
         ongoing = dep.get("max_ongoing_requests")
         if ongoing is not None and ongoing < live.max_batch_size:
             raise ValueError(f"deployment {spec.name!r}: max_ongoing_requests={ongoing} < max_batch_size="

@@ -12,15 +12,16 @@ replica's `reconfigure` (serving/server/app.py) switches to DRAINING at once, an
 is not inside `reconfigure`: Serve takes a replica out of routing while it reconfigures, so new requests
 would queue in the proxy instead of getting their 503. `draining: false` resumes serving.
 
-Does not own: the engine's own drain (serving/engine/engine.py `Engine.stop`), the HTTP error body (serving/server/api.py).
+Does not own: the engine's own drain (serving/engine/engine.py `Engine.stop`), the 503 answer itself (its body and
+Retry-After: serving/server/errors.py).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from enum import Enum
 
-from serving.server.auth import app_path
+from serving.server.asgi import app_path
+from serving.server.errors import ErrorKind, error_response
 
 RETRY_AFTER_S = 1
 DRAINING_MESSAGE = "this server is shutting down (draining); retry the request, it will reach another replica"
@@ -59,12 +60,8 @@ class DrainGate:
         if scope["type"] != "http" or not app_path(scope).startswith("/v1/"):
             return await self.app(scope, receive, send)
         if self.drain.draining:
-            body = {"error": {"type": "unavailable", "message": DRAINING_MESSAGE, "field": None}}
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"retry-after", str(RETRY_AFTER_S).encode())]})
-            await send({"type": "http.response.body", "body": json.dumps(body).encode()})
-            return
+            response = error_response(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE, retry_after_s=RETRY_AFTER_S)
+            return await response(scope, receive, send)
         self.drain.in_flight += 1
         try:
             await self.app(scope, receive, send)

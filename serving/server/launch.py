@@ -1,6 +1,4 @@
-"""`kvserve serve`: start Ray and Ray Serve locally from existing bundles, with the Serve config file.
-
-    kvserve serve [--config deploy/serve_config.yaml] [--artifacts DIR] [--port 8000]
+"""What `kvserve serve` runs: start Ray and Ray Serve locally from existing bundles, with the Serve config file.
 
 Validates the config offline (serving.server.config.load_serve_config), checks every bundle exists, starts a local
 Ray instance, deploys the config exactly as `serve run`/`serve deploy` would (the controller imports
@@ -9,12 +7,12 @@ Ray instance, deploys the config exactly as `serve run`/`serve deploy` would (th
 503 + Retry-After and reports not ready, while the requests in flight finish -- then the applications are
 deleted (the engines drain what is left), then Ray shuts down.
 
-`serve_config(...)` is the same as a function, for `kvserve up` (kvserve/up.py) and tests.
-Does not own: training or exporting bundles (`kvserve up` does that first), the app itself (serving/server/app.py).
+`serve_config(...)` is the whole command as a function; `prepare_config`, `start`, `drain` and `stop` are its
+steps, also used by bench/http.py and the tests. Does not own: the command line (kvserve/serve.py), training
+or exporting bundles (`kvserve up` does that first), the app itself (serving/server/app.py).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,25 +29,6 @@ IMPORT_PATH = "serving.server.app:build_app"
 START_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 60.0
 METRICS_REPORT_MS = 2000
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="serve exported bundles with Ray Serve",
-                              description="Start Ray Serve locally with the models of a Serve config file "
-                                          "(default: deploy/serve_config.yaml); Ctrl-C stops it cleanly.")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="Ray Serve config file (default: %(default)s)")
-    p.add_argument("--artifacts", help="artifacts directory holding bundles/ (overrides args.artifacts_dir)")
-    p.add_argument("--host", help="HTTP host (overrides http_options.host)")
-    p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
-    p.add_argument("--num-cpus", dest="num_cpus", type=int,
-                   help="logical CPUs for the local Ray instance (default: enough for the config's replicas)")
-    p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (port 8265)")
-    p.set_defaults(func=_cmd_serve)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    return serve_config(args.config, artifacts=args.artifacts, host=args.host, port=args.port,
-                        num_cpus=args.num_cpus, dashboard=args.dashboard)
 
 
 def prepare_config(config: str | Path, artifacts: str | Path | None = None, host: str | None = None,

@@ -4,7 +4,7 @@ Ray's proxy (ray 2.60, `ray/serve/_private/proxy.py`) decodes the values of `x-r
 `serve_multiplexed_model_id` and the session-id header (`x-session-id`) as UTF-8 before any application code
 runs, and answers a bare `500 Internal Server Error` when one is not (tests/test_fuzz.py found it with
 `x-request-id: \\x80`). This middleware runs in the proxy, in front of that code, and refuses such a request
-with kvserve's usual 400 error body naming the header.
+with kvserve's usual error body naming the header (status 400, built by serving/server/errors.py).
 
 Installed through Ray's hook: the environment variable `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` set to
 `PROXY_CALLBACK` in the environment Ray starts in (`serving/server/launch.py` sets it before `ray.init`; in
@@ -12,10 +12,11 @@ Kubernetes it belongs in the Ray containers' env). Owns nothing else: no auth, n
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from starlette.middleware import Middleware
+
+from serving.server.errors import UNREADABLE, ErrorKind, error_response
 
 PROXY_CALLBACK = "serving.server.proxy_guard:middlewares"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -41,7 +42,7 @@ class RayHeaderGuard:
             for key, value in scope.get("headers") or []:
                 name = key.decode("latin-1").lower().replace("-", "_")
                 if name in self.names and not _is_utf8(value):
-                    return await _bad_header(send, key.decode("latin-1"))
+                    return await _bad_header(key.decode("latin-1"))(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -53,12 +54,9 @@ def _is_utf8(value: bytes) -> bool:
     return True
 
 
-async def _bad_header(send: Callable, name: str) -> None:
-    body = {"error": {"type": "invalid_request", "field": name,
-                      "message": f"header {name} is not valid UTF-8; send ASCII or UTF-8 text, or leave it out"}}
-    await send({"type": "http.response.start", "status": 400,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+def _bad_header(name: str) -> Callable:
+    return error_response(ErrorKind.INVALID, f"header {name} is not valid UTF-8; send ASCII or UTF-8 text, or "
+                          "leave it out", name, status=UNREADABLE)
 
 
 def middlewares() -> list[Middleware]:

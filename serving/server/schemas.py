@@ -23,6 +23,11 @@ def _valid_unicode(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+MAX_STOP_TOKEN_IDS = 16
+# A token id is >= 0 here; the engine checks it against the model's vocabulary (a 422 naming stop_token_ids).
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
+STOP_TOKEN_IDS_DOC = (f"Token ids that end the text (at most {MAX_STOP_TOKEN_IDS}, each in [0, vocabulary size)); "
+                      "the stop token is not part of the text, and finish_reason is 'stop'.")
 
 
 class _Body(BaseModel):
@@ -35,6 +40,10 @@ class TranslateRequest(_Body):
     beam_size: int = Field(1, ge=1, le=8, description="Beam width; 1 = greedy.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens per translation.")
     n_best: int | None = Field(None, ge=1, le=8, description="Hypotheses returned per text (<= beam_size).")
+    length_penalty: float = Field(1.0, ge=0.0, le=2.0, description=(
+        "Beam search ranks hypotheses by log-probability / length ** length_penalty (length in tokens, the "
+        "end token included): 0 = the plain sum, which favours short translations; 1 = per token; "
+        "2 favours long ones. Only with beam_size > 1."))
 
     @model_validator(mode="after")
     def _n_best_within_beam(self) -> "TranslateRequest":
@@ -56,6 +65,7 @@ class GenerateRequest(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="> 1 discourages repeats; 1 = off.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same text.")
     stop: Text | list[Text] | None = Field(None, description="Stop strings; the text ends before the first one.")
+    stop_token_ids: StopTokenIds | None = Field(None, description=STOP_TOKEN_IDS_DOC)
     stream: bool = Field(False, description="Answer as Server-Sent Events, one per token.")
     ignore_eos: bool = Field(False, description="Benchmarks and tests: end-of-sequence does not end the text, "
                                                 "which runs to max_tokens (as vLLM's ignore_eos).")
@@ -72,6 +82,7 @@ class CompletionRequest(_Body):
     stream: bool = False
     stream_options: dict | None = None
     stop: Text | list[Text] | None = None
+    stop_token_ids: StopTokenIds | None = Field(None, description=STOP_TOKEN_IDS_DOC + " As vLLM's.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     echo: Literal[False] = False
     logprobs: None = None

@@ -3,10 +3,11 @@
 Owns: tokenizing prompts (with the bundle's tokenizer), the prompt-size limit, deadlines, streaming text
 through `IncrementalDecoder`, stop strings (held back while they might still match, the engine request
 cancelled the moment one appears), n-best decoding of beam hypotheses, usage and timings, per-request
-metrics from the engine's observers, and turning engine errors into `ServiceError` kinds.
+metrics from the engine's observers.
 
-Does not own: HTTP statuses (serving/server/api.py maps `ErrorKind`), Ray (serving/server/app.py wraps this class in a
-deployment and, in request-level mode, passes a `@serve.batch` runner), or scheduling (serving/engine/engine.py).
+Does not own: errors (serving/server/errors.py owns `ServiceError`, turns engine errors into one with the API's
+field names, and maps its `ErrorKind` to an HTTP status), Ray (serving/server/replica.py wraps
+this class in a deployment), or scheduling and batching (serving/engine/).
 Everything that crosses a process boundary here (`TextRequest`, `TextResult`, `StreamPiece`,
 `ServiceError`) pickles.
 """
@@ -15,38 +16,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Protocol
 
 from model.tokenizer import IncrementalDecoder, Tokenizer
+from serving.server.errors import ErrorKind, ServiceError, from_engine
 from serving.server.metrics import Recorder
 from serving.server.stops import StopMatcher
-from serving.engine.types import (AdmissionRejected, EngineDead, EngineError, FinishReason, GenerationRequest,
-                           InvalidRequest, RequestStats, SamplingParams, StepStats, TokenEvent)
-
-
-class ErrorKind(str, Enum):
-    INVALID = "invalid_request"  # -> 422
-    TOO_LARGE = "too_large"  # -> 413
-    OVERLOADED = "overloaded"  # -> 429 + Retry-After
-    DEADLINE = "deadline_exceeded"  # -> 504
-    UNAVAILABLE = "unavailable"  # -> 503
-    NOT_FOUND = "not_found"  # -> 404
-
-
-class ServiceError(Exception):
-    """A request that cannot be answered normally; `kind` decides the HTTP status (in serving/server/api.py)."""
-
-    def __init__(self, kind: ErrorKind, message: str, field: str | None = None,
-                 retry_after_s: float | None = None, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.kind, self.message, self.field = kind, message, field
-        self.retry_after_s, self.reason = retry_after_s, reason
-
-    def __reduce__(self) -> tuple:  # pickles across Ray (Exception's default would lose the fields)
-        return ServiceError, (self.kind, self.message, self.field, self.retry_after_s, self.reason)
+from serving.engine.types import (EngineError, FinishReason, GenerationRequest, RequestStats, SamplingParams,
+                                  StepStats, TokenEvent)
 
 
 @dataclass(frozen=True)
@@ -86,9 +65,6 @@ class EngineLike(Protocol):
     def snapshot(self) -> dict: ...
 
 
-BatchRunner = Callable[[GenerationRequest], Awaitable[list[TokenEvent]]]
-
-
 class ModelService:
     """Serves one model: `complete` (whole answer) and `stream` (pieces, then the TextResult)."""
 
@@ -97,7 +73,6 @@ class ModelService:
         self.name, self.engine, self.tok = name, engine, tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.recorder = recorder
-        self.batch_runner: BatchRunner | None = None  # set by the deployment in request-level mode
         self._stats: dict[str, RequestStats] = {}
         engine.add_observer(self._on_step, self._on_request)
 
@@ -125,7 +100,7 @@ class ModelService:
         text, index, ttft, finish, hyps, handle, done = "", 0, None, FinishReason.LENGTH, (), None, False
         events = None
         try:
-            events, handle = self._events(gen)
+            events, handle = self._events(gen, req.field)
             async for ev in events:
                 if ev.token_id is None:  # the final event
                     done, finish, hyps = True, ev.finish_reason or FinishReason.STOP, ev.hypotheses
@@ -175,35 +150,13 @@ class ModelService:
         return GenerationRequest(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids,
                                  params=req.params, deadline=time.monotonic() + remaining)
 
-    def _events(self, gen: GenerationRequest) -> tuple[AsyncIterator[TokenEvent], Any]:
-        """The request's events and its engine handle (None in request-level mode: the batch runs it)."""
-        if self.batch_runner is not None:
-            return self._batched_events(gen), None
+    def _events(self, gen: GenerationRequest, text_field: str) -> tuple[AsyncIterator[TokenEvent], Any]:
+        """The request's events and its engine handle; `text_field` names the prompt in a refusal."""
         try:
             handle = self.engine.submit(gen)
         except EngineError as e:
-            raise self._service_error(e, gen) from e
+            raise from_engine(e, self.name, text_field) from e
         return handle.__aiter__(), handle
-
-    async def _batched_events(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        assert self.batch_runner is not None
-        try:
-            events = await self.batch_runner(gen)
-        except EngineError as e:
-            raise self._service_error(e, gen) from e
-        for ev in events:
-            yield ev
-
-    def _service_error(self, e: EngineError, gen: GenerationRequest) -> ServiceError:
-        # Overload is counted in kvserve_rejections_total by serving/server/api.py, together with Ray's own.
-        if isinstance(e, AdmissionRejected):
-            return ServiceError(ErrorKind.OVERLOADED, str(e), retry_after_s=e.retry_after_s, reason=e.reason)
-        if isinstance(e, InvalidRequest):
-            kind = ErrorKind.TOO_LARGE if e.too_large else ErrorKind.INVALID
-            return ServiceError(kind, str(e), field=_field_of(str(e), gen))
-        if isinstance(e, EngineDead):
-            return ServiceError(ErrorKind.UNAVAILABLE, f"model {self.name!r} is unavailable: {e}")
-        return ServiceError(ErrorKind.UNAVAILABLE, f"model {self.name!r} failed: {e}")
 
     def _result(self, gen: GenerationRequest, req: TextRequest, text: str, n_tokens: int, finish: FinishReason,
                 hyps: tuple, ttft: float | None, started: float) -> TextResult:
@@ -275,12 +228,3 @@ def _cancel_quietly(handle: Any) -> None:
     except Exception:  # the request already finished: nothing to cancel
         pass
 
-
-def _field_of(message: str, gen: GenerationRequest) -> str:
-    """Best guess of the request field an engine InvalidRequest is about (the engine speaks in ids)."""
-    lowered = message.lower()
-    for key, fld in (("beam", "beam_size"), ("n_best", "n_best"), ("max_new_tokens", "max_tokens"),
-                     ("top_p", "top_p"), ("top_k", "top_k"), ("temperature", "temperature")):
-        if key in lowered:
-            return fld
-    return "prompt"

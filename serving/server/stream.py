@@ -4,10 +4,11 @@ Owns the event shapes: kvserve's `/v1/generate` stream (`{"token", "index"}` per
 `{"finish_reason", "usage", "timings", "text"}`), and OpenAI's `/v1/completions` stream (text_completion
 chunks, an optional usage chunk, then `[DONE]`). Errors before the first token never reach here: the
 route awaits the first item (`start_stream`) so they still become an HTTP status; an error after it
-becomes an `{"error": ...}` event. Closing the stream (client gone) closes the model's stream, which
-cancels the engine request. The engine ends a request at its deadline; as a backstop (a model replica that
-stopped answering), waiting for any item ends `DEADLINE_GRACE_S` after the deadline: before the first item
-as a 504, after it as a `deadline_exceeded` error event.
+becomes an `{"error": ...}` event, the body of an HTTP error (serving/server/errors.py's `error_body`).
+Closing the stream (client gone) closes the model's stream, which cancels the engine request. The engine
+ends a request at its deadline; as a backstop (a model replica that stopped answering), waiting for any
+item ends `DEADLINE_GRACE_S` after the deadline: before the first item as a 504, after it as a
+`deadline_exceeded` error event.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from serving.server.service import ErrorKind, ServiceError, StreamPiece, TextResult
+from serving.server.errors import ErrorKind, ServiceError, error_body
+from serving.server.service import StreamPiece, TextResult
 
 log = logging.getLogger(__name__)
 Item = StreamPiece | TextResult
@@ -72,9 +74,9 @@ async def _close(stream: AsyncIterator[Item]) -> None:
 
 def _error_event(e: BaseException) -> dict:
     if isinstance(e, ServiceError):
-        return {"error": {"type": e.kind.value, "message": e.message, "field": e.field}}
+        return error_body(e.kind, e.message, e.field)
     log.exception("stream failed", exc_info=e)
-    return {"error": {"type": "internal_error", "message": f"stream failed: {type(e).__name__}", "field": None}}
+    return error_body(ErrorKind.INTERNAL, f"stream failed: {type(e).__name__}")
 
 
 def openai_finish(reason: str) -> str:

@@ -1,0 +1,34 @@
+"""`kvserve serve`: the command line of serving/server/launch.py (start Ray Serve from existing bundles).
+
+    kvserve serve [--config deploy/serve_config.yaml] [--artifacts DIR] [--host H] [--port 8000]
+                  [--num-cpus N] [--dashboard]
+
+Owns only the arguments and their help; what the command does (validate the config, check the bundles,
+start Ray and Serve, wait until RUNNING, drain and stop on Ctrl-C/SIGTERM) is launch.py's `serve_config`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from serving.server.launch import DEFAULT_CONFIG
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve exported bundles with Ray Serve",
+                              description="Start Ray Serve locally with the models of a Serve config file "
+                                          "(default: deploy/serve_config.yaml); Ctrl-C stops it cleanly.")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="Ray Serve config file (default: %(default)s)")
+    p.add_argument("--artifacts", help="artifacts directory holding bundles/ (overrides args.artifacts_dir)")
+    p.add_argument("--host", help="HTTP host (overrides http_options.host)")
+    p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
+    p.add_argument("--num-cpus", dest="num_cpus", type=int,
+                   help="logical CPUs for the local Ray instance (default: enough for the config's replicas)")
+    p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (port 8265)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from serving.server.launch import serve_config
+
+    return serve_config(args.config, artifacts=args.artifacts, host=args.host, port=args.port,
+                        num_cpus=args.num_cpus, dashboard=args.dashboard)

@@ -1,0 +1,115 @@
+"""A training run between steps (`TrainRun`): how it starts, fresh or from train_state.pt, and how it is saved.
+
+A fresh run trains its tokenizer on the train split and builds the preset's model from the seed; a resumed
+run (--resume) loads the tokenizer, the model config, the weights, the optimizer, torch's RNG state, the step,
+the elapsed time, the history and the moving average, so that it continues exactly where it stopped. Each
+save writes a checkpoint (model/checkpoint.py layout) with the train state beside it.
+
+Owns the train state's contents. Does not own the checkpoint's file format (model/checkpoint.py) nor when a
+run is saved (model/train.py).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from model import data as data_mod
+from model.checkpoint import TOKENIZER, load_model_config, load_train_state, save_checkpoint
+from model.config import ModelConfig, preset
+from model.step import make_optimizer
+from model.tokenizer import Tokenizer
+from model.train_config import TrainConfig
+from model.transformer import build_model, count_parameters
+from model.weight_average import WeightAverage
+
+
+@dataclass
+class TrainRun:
+    """What a run carries from step to step: what `save_run` writes and `start_run` restores."""
+    cfg: TrainConfig
+    out: Path
+    tok: Tokenizer
+    model_config: ModelConfig
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    avg: WeightAverage | None = None  # the moving average of the weights, when cfg.ema > 0
+    step: int = 0  # optimizer steps taken
+    elapsed: float = 0.0  # seconds of training, over all resumes
+    history: list[dict] = field(default_factory=list)  # train losses and validations, as in metrics.json
+    weights: str | None = None  # which weights are kept, "last" or "ema", once chosen at the end
+
+
+def train_tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
+    """A BPE tokenizer of cfg.vocab_size trained on the train split, saved into the checkpoint directory."""
+    if cfg.task == "translate":
+        pairs = data_mod.load_pairs(cfg.data_dir, "train")
+        texts = [s for pair in pairs for s in pair]
+    else:
+        texts = data_mod.load_text(cfg.data_dir, "train").split("\n")
+    tok = Tokenizer.train(texts, cfg.vocab_size)
+    tok.save(out / TOKENIZER)
+    return tok
+
+
+def start_run(cfg: TrainConfig, resume: bool = False) -> TrainRun:
+    """A fresh run in cfg.out, or with `resume` the one saved there (FileNotFoundError when there is none)."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_train_state(out) if resume else None
+    if resume and state is None:
+        raise FileNotFoundError(f"--resume: no train_state.pt in {out}")
+    tok = Tokenizer.load(out / TOKENIZER) if state else train_tokenizer(cfg, out)
+    # A resumed run keeps the model it was started with, also when the preset has changed since.
+    saved = load_model_config(out) if state else None
+    model_config = saved or preset(cfg.preset, cfg.task, tok.vocab_size, tok.pad_id)
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_config)
+    run = TrainRun(cfg, out, tok, model_config, model, make_optimizer(model, cfg))
+    if state:
+        restore_train_state(run, state)
+    if cfg.ema:
+        run.avg = WeightAverage(model, cfg.ema, state.get("ema") if state else None)
+    return run
+
+
+def restore_train_state(run: TrainRun, state: dict) -> None:
+    """Put a saved train state (`train_state`'s dict) back into the run's model, optimizer and torch's RNG."""
+    run.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["optimizer"])
+    for g in run.opt.param_groups:  # a state of an unfused AdamW would turn fusing off
+        g["fused"] = True
+    torch.set_rng_state(state["torch_rng"])
+    run.step, run.elapsed = int(state["step"]), float(state["elapsed"])
+    run.history = json.loads(state["history"])
+
+
+def train_state(run: TrainRun) -> dict:
+    """The run as it is in training (the last weights in the model, the average beside them), for --resume."""
+    state = {"model": copy.deepcopy(run.model.state_dict()), "optimizer": run.opt.state_dict(),  # tied stay one
+             "torch_rng": torch.get_rng_state(), "step": run.step, "elapsed": run.elapsed,
+             "history": json.dumps(run.history)}
+    if run.avg:
+        state["ema"] = copy.deepcopy(run.avg.shadow)
+    return state
+
+
+def save_run(run: TrainRun, metrics: dict | None = None) -> None:
+    """A checkpoint of the kept weights (the average once it is chosen) with the train state as in training
+    beside it, so that --resume continues the run exactly also after the average was kept."""
+    state = train_state(run)
+    meta = {"train_config": asdict(run.cfg), "parameters": count_parameters(run.model)}
+    if run.weights:
+        meta["weights"] = run.weights
+    meta.update(step=run.step, elapsed_s=round(run.elapsed, 1), metrics=metrics or {})
+    use_average = run.weights == "ema"
+    if use_average:
+        run.avg.swap()
+    try:
+        save_checkpoint(run.out, run.model, run.model_config, run.cfg.task, run.out / TOKENIZER, meta, state)
+    finally:
+        if use_average:
+            run.avg.swap()

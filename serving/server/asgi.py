@@ -1,0 +1,8 @@
+"""ASGI scope helpers shared by the middlewares (auth, drain, body limit) and the error answers."""
+from __future__ import annotations
+
+
+def app_path(scope: dict) -> str:
+    """The path inside the app (Ray Serve keeps the route_prefix in `path` and sets `root_path`)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
