@@ -12,7 +12,7 @@ machine's noise hits all three alike; the summary takes the median over rounds. 
 concurrency: generated tokens per second while all C clients have a request in (the steady state, before
 the first client runs out of work) and over the whole run, p50/p99 time to first token (submit -> first
 token), mean rows per engine step. Request-level mode gathers up to C requests (or waits --batch-wait-s)
-and runs the batch to its end, as Ray Serve's @serve.batch in front of a batched generate does.
+and runs the batch to its end: the engine's request-level mode, the one the server runs.
 
 --step-scaling measures what bounds those ratios: one decode step of the runtime alone (no engine) on R rows that
 all hold C cached tokens (medians over repetitions; one block per row count, the contexts alternated within it),

@@ -1,4 +1,4 @@
-"""`kvserve bench`, HTTP: continuous vs request-level (`@serve.batch`) vs no batching through a real Ray Serve app.
+"""`kvserve bench`, HTTP: continuous vs request-level vs no batching (the engine's modes) through a real Ray Serve app.
 
 The bench starts a local Ray Serve app from the shipped deploy/serve_config.yaml, reduced to the generate
 model (the overrides are listed by `config_overrides` and written into the doc), and drives it with the load

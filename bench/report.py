@@ -136,17 +136,14 @@ def http_readings(b: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-SERVE_BATCH_NOTE = (
-    "TTFT is measured at the client from the stream. In request-level mode the replica runs the whole `@serve.batch` "
-    "batch before the first token leaves, so its TTFT is close to its e2e latency: that is what request-level batching "
-    "in front of a batched generate gives. Tokens/step is the server's own count (`/metrics`: generated tokens / "
+HTTP_NOTE = (
+    "TTFT is measured at the client from the stream. In request-level mode a request waits until its batch forms "
+    "(up to `max_batch_size` requests or `batch_wait_timeout_s`) and, once the batch runs, streams its tokens; nothing "
+    "joins a batch until all its members are done. Tokens/step is the server's own count (`/metrics`: generated tokens / "
     "engine steps over the run), i.e. how many rows an engine step carried on average. Req/s and tok/s count what "
     "completed inside the measured window (after the warm-up, before the last send), so the drain of requests still "
-    "in flight at the end does not count against a slow mode. Small request-level batches "
-    "under streaming load come from Ray Serve itself: its batch queue keeps forming the next batch (after "
-    "`batch_wait_timeout_s`) while the previous one runs, since `max_concurrent_batches=1` only serializes their "
-    "execution (ray/serve/batching.py `_process_batches`); requests that arrive while a batch runs therefore leave in "
-    "small batches. The variant with a longer wait gathers more per batch, at the cost of that wait.")
+    "in flight at the end does not count against a slow mode. The variant with a longer wait gathers more per batch, "
+    "at the cost of that wait.")
 
 
 def render_http(b: dict[str, Any], inproc: dict[str, Any] | None = None) -> list[str]:
@@ -169,7 +166,7 @@ def render_http(b: dict[str, Any], inproc: dict[str, Any] | None = None) -> list
     for phase, title in http_phases(b):
         if phase in s:
             out += [f"### {title}", "", *_http_table(s[phase]), "", *[r + "\n" for ph, r in readings if ph == phase]]
-    out += [SERVE_BATCH_NOTE, ""]
+    out += [HTTP_NOTE, ""]
     versus = http_vs_inprocess(b, inproc) if inproc and inproc.get("ok") else None
     return out + ([versus, ""] if versus else []) + _commands(b)
 

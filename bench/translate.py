@@ -135,7 +135,7 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
     engine = Engine.from_bundle(bundle, EngineConfig(max_slots=slots, max_waiting=4 * slots, provider="cpu",
                                                      intra_op_threads=threads, max_new_tokens=max_new))
     tok = Tokenizer.load(bundle / "tokenizer.json")
-    src_ids = [tok.encode(t)[: engine.max_src_len] or [tok.pad_id] for t in sentences.texts]
+    src_ids = [tok.encode(t)[: engine.request_limits.max_src_len] or [tok.pad_id] for t in sentences.texts]
     vocab_list = [tok.hf.id_to_token(i) or f"<unused_{i}>" for i in range(engine.vocab_size)]
     src_tokens = [[vocab_list[i] for i in ids] for ids in src_ids]
     vocab = {t: i for i, t in enumerate(vocab_list)}
