@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=Path("artifacts/data"),
                    help="prepared data (test split); a built-in sentence list is used if it is missing")
     p.add_argument("--no-metrics", action="store_true", help="do not scrape URL/metrics before and after")
+    p.add_argument("--api-key-env", dest="api_key_env", metavar="NAME",
+                   help="environment variable holding the server's API key, sent as 'Authorization: Bearer'")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
 
@@ -75,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         min_tokens=args.min_tokens, stream=args.stream,
         temperature=args.temperature, beam_size=args.beam_size, model=args.model, timeout_s=args.timeout,
         max_inflight=args.max_inflight, data_dir=args.data_dir, scrape_metrics=not args.no_metrics,
+        api_key_env=args.api_key_env,
         progress=not args.quiet, slos=parse_slos(args.slo))
 
 

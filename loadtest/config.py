@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -73,6 +74,7 @@ class LoadConfig:
     max_inflight: int = 1024  # open loop: arrivals finding this many in flight are dropped and counted
     data_dir: Path = Path("artifacts/data")
     scrape_metrics: bool = True  # read the server's /metrics before and after the run
+    api_key_env: str | None = None  # an environment variable holding the server's API key (sent as a Bearer token)
     progress: bool = False  # a tqdm bar on stderr
     slos: tuple[SLO, ...] = field(default_factory=tuple)
 
@@ -90,6 +92,9 @@ class LoadConfig:
 
     def _validate(self) -> None:
         check_url(self.url)
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"api_key_env={self.api_key_env!r} names an unset or empty environment variable; "
+                             f"export it with the server's API key")
         if (self.rate is None) == (self.concurrency is None):
             raise ValueError(f"give exactly one of rate (open loop) or concurrency (closed loop); "
                              f"got rate={self.rate}, concurrency={self.concurrency}")

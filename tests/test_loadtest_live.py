@@ -175,3 +175,28 @@ def test_locustfile_headless_run_agrees_with_server_metrics(server, tmp_path) ->
 def asyncio_run(coro):
     import asyncio
     return asyncio.run(coro)
+
+
+async def test_api_key_from_the_environment_is_sent_and_never_reported(monkeypatch) -> None:
+    from fastapi.responses import JSONResponse
+
+    key = "kvs-loadtest-secret"
+    app = build_app(max_concurrent=64)
+
+    @app.middleware("http")
+    async def require_key(request, call_next):  # what serving/server/auth.py does, in short
+        if request.url.path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {key}":
+            return JSONResponse({"error": {"type": "unauthorized"}}, status_code=401)
+        return await call_next(request)
+
+    monkeypatch.setenv("LOADTEST_TEST_KEY", key)
+    with ServerThread(app) as s:
+        base = dict(workload=Workload.GENERATE, concurrency=2, requests=6, seed=1, data_dir="/nonexistent")
+        anonymous = await run_load(LoadConfig(s.url, **base))
+        keyed = await run_load(LoadConfig(s.url, api_key_env="LOADTEST_TEST_KEY", **base))
+    assert anonymous.errors == {"401": anonymous.totals["sent"]} and anonymous.totals["succeeded"] == 0
+    assert keyed.totals["succeeded"] == keyed.totals["sent"] >= 6 and not keyed.errors
+    assert key not in keyed.to_json() and "LOADTEST_TEST_KEY" in keyed.to_json()
+    monkeypatch.delenv("LOADTEST_TEST_KEY")
+    with pytest.raises(ValueError, match="LOADTEST_TEST_KEY"):
+        LoadConfig(s.url, api_key_env="LOADTEST_TEST_KEY", **base)
