@@ -24,8 +24,9 @@ data: venv
 	$(BIN)/kvserve data --task translate --out $(ART)/data
 	$(BIN)/kvserve data --task generate --out $(ART)/data
 
+# Binds 127.0.0.1 (this machine only); `make serve HOST=0.0.0.0` serves beyond it (set an API key first).
 serve: venv
-	$(BIN)/kvserve up --artifacts $(ART)
+	$(BIN)/kvserve up --artifacts $(ART) $(if $(HOST),--host $(HOST))
 
 bench: venv
 	$(BIN)/kvserve bench --artifacts $(ART) --out docs/benchmarks.md

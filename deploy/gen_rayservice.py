@@ -6,7 +6,9 @@ serving/) and what runs in images and on Kubernetes. Every difference is an expl
 
 1. Bundles: `args.artifacts_dir` becomes /models and each model's `bundle` its last path component, so
    `artifacts/bundles/translate` in a checkout is `/models/translate` in an image (baked in or mounted).
-2. HTTP: the proxy listens on 0.0.0.0:8000, where KubeRay's Serve service and probes expect it.
+2. HTTP: the proxy listens on 0.0.0.0:8000, where KubeRay's Serve service and probes expect it, whatever
+   host the checkout's config binds (127.0.0.1 there: a local server is for that machine only). Inside a
+   container loopback would reach nothing; the API key (6) and, on Kubernetes, the NetworkPolicy guard it.
 3. The head takes no replicas: the head pod starts with num-cpus 0, and every deployment here asks for
    some CPU (the ingress 0.25), so Ray can never place a replica there.
 4. Autoscaling: each deployment gets an `autoscaling_config` instead of a fixed `num_replicas`, so Serve
@@ -14,11 +16,17 @@ serving/) and what runs in images and on Kubernetes. Every difference is an expl
 5. ONNX Runtime provider named, never `auto`: the GPU variant runs provider=cuda (a broken CUDA setup
    fails at replica start instead of silently falling back to the CPU) and gives each model replica half
    a GPU (two models share one GPU per worker pod); the CPU variant runs provider=cpu.
+6. API key from the environment: `args.api_key_env` names `API_KEY_ENV`, which the pods take from a
+   Kubernetes Secret and `docker run` from `-e`/`--env-file`. A plaintext `args.api_key` is refused: Serve's
+   config and REST API would show it to anyone who can read them.
+7. Graceful stop: every deployment (the ingress included) waits for its in-flight requests at least as
+   long as a request may run (`args.limits.request_timeout_s`) before a replica stops, so deleting a pod
+   lets its streams finish (deploy/README.md, "Deleting a pod").
 
 Writes (and with --check only compares):
 - deploy/k8s/base/rayservice.yaml            rayservice.template.yaml + serveConfigV2 (GPU variant)
 - deploy/k8s/overlays/cpu/serve-config-v2.yaml  a JSON patch replacing serveConfigV2 (CPU variant)
-- deploy/docker/serve_config.{gpu,cpu}.yaml  the image's default config for `serve run`
+- deploy/docker/serve_config.{gpu,cpu}.yaml  the image's default config (`kvserve serve --config ...`)
 
 Not here: the cluster shape (deploy/k8s/rayservice.template.yaml), validation (deploy/validate.py).
 Run from anywhere: `python deploy/gen_rayservice.py [--check]`.
@@ -50,7 +58,7 @@ class Variant(str, Enum):
 
 # --- the overrides, as data (tests read these) -------------------------------------------------------
 IMAGE_MODELS_DIR = "/models"
-HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000}
+HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000}  # replaces the checkout's host
 INGRESS_NUM_CPUS = 0.25
 GPU_PER_MODEL_REPLICA = 0.5
 PROVIDER = {Variant.GPU: "cuda", Variant.CPU: "cpu"}
@@ -68,6 +76,7 @@ INGRESS_AUTOSCALING: dict[str, Any] = {
     "upscale_delay_s": 10,
     "downscale_delay_s": 300,
 }
+API_KEY_ENV = "KVSERVE_API_KEY"
 
 
 def load_serve_config(path: Path = SERVE_CONFIG) -> dict[str, Any]:
@@ -88,8 +97,11 @@ def image_serve_config(cfg: dict[str, Any], variant: Variant) -> dict[str, Any]:
         raise ValueError(f"no application with import_path {KVSERVE_IMPORT_PATH!r} in the Serve config")
     for app in kvserve_apps:
         models = _rewrite_bundles(app)
+        _key_from_environment(app)
+        stop_wait_s = _request_timeout_s(app)
         for dep in app.get("deployments", []):
             _override_deployment(dep, is_model=dep["name"] in models, variant=variant)
+            dep["graceful_shutdown_timeout_s"] = max(dep.get("graceful_shutdown_timeout_s", 0), stop_wait_s)
         for model in app["args"]["models"]:
             model.setdefault("engine", {})["provider"] = PROVIDER[variant]
     return out
@@ -103,6 +115,22 @@ def _rewrite_bundles(app: dict[str, Any]) -> set[str]:
         model["bundle"] = Path(model["bundle"]).name
         names.add(model["name"])
     return names
+
+
+def _key_from_environment(app: dict[str, Any]) -> None:
+    args = app["args"]
+    if args.pop("api_key", None) is not None:
+        raise ValueError(f"application {app.get('name')!r}: a plaintext args.api_key would ship in the image and the "
+                         f"RayService, readable through Serve's config and REST API; set args.api_key_env instead")
+    args["api_key_env"] = API_KEY_ENV
+
+
+def _request_timeout_s(app: dict[str, Any]) -> float:
+    limits = app["args"].get("limits") or {}
+    if "request_timeout_s" not in limits:
+        raise ValueError(f"application {app.get('name')!r}: set args.limits.request_timeout_s explicitly; the "
+                         f"deployments' graceful_shutdown_timeout_s is derived from it")
+    return limits["request_timeout_s"]
 
 
 def _override_deployment(dep: dict[str, Any], is_model: bool, variant: Variant) -> None:
@@ -170,7 +198,7 @@ def outputs(serve_config: Path = SERVE_CONFIG) -> dict[Path, str]:
     gpu = dump_serve_config(image_serve_config(cfg, Variant.GPU))
     cpu = dump_serve_config(image_serve_config(cfg, Variant.CPU))
     image_header = ("# GENERATED by deploy/gen_rayservice.py from deploy/serve_config.yaml: the image's default\n"
-                    "# Serve config (`serve run /etc/kvserve/serve_config.yaml`). Do not edit.\n")
+                    "# Serve config (`kvserve serve --config /etc/kvserve/serve_config.yaml`). Do not edit.\n")
     return {
         DEPLOY / "k8s" / "base" / "rayservice.yaml": render_rayservice(gpu),
         DEPLOY / "k8s" / "overlays" / "cpu" / "serve-config-v2.yaml": render_cpu_patch(cpu),

@@ -7,23 +7,31 @@ check here therefore treats an unknown key as an error:
 - custom resources (RayService, PodMonitor): the CRD's openAPIV3Schema from deploy/crds with
   `additionalProperties: false` injected into every object schema that lists `properties` and does not
   say `x-kubernetes-preserve-unknown-fields`; their `metadata` as a strict ObjectMeta;
-- serveConfigV2: Ray's `ServeDeploySchema`, a walk that reports keys Ray's schema would ignore, and
-  kvserve's own `AppArgs` (serving/server/config.py);
+- every Serve config (serveConfigV2 and the files under deploy/): Ray's `ServeDeploySchema`, a walk that
+  reports keys Ray's schema would ignore, kvserve's own `AppArgs` (serving/server/config.py), and
+  `serve_safety_errors`: a bounded queue answering 429 + Retry-After on every deployment (the ingress
+  included), no plaintext API key, an API key from the environment wherever HTTP binds beyond loopback;
 - KubeRay facts no schema states (`check_rayservice`): upgrade strategy, head without replicas, GPU
-  tolerations, requests and limits, autoscaling capacity, Ray version equal to the images'.
+  tolerations, requests and limits, autoscaling capacity, Ray version equal to the images', the API key
+  from a Secret, the proxy's header guard, and graceful pod deletion (preStop, Ray's drain on SIGTERM and
+  the grace period outlasting the replicas' graceful_shutdown_timeout_s);
+- exposure (deploy/exposure.py): Services, the head Service's ports, Ray token auth, NetworkPolicies;
+- every namespaced object in the RayService's namespace.
 
-CLI: `python deploy/validate.py` renders every overlay under deploy/k8s/overlays, validates everything,
-checks that the generated files are current, and exits 1 on any problem. Not here: rendering
-(deploy/kustomize_lite.py) or generating (deploy/gen_rayservice.py).
+CLI: `python deploy/validate.py` renders every overlay under deploy/k8s/overlays, validates everything and
+the Serve configs under deploy/, checks that the generated files are current, and exits 1 on any problem.
+Not here: rendering (deploy/kustomize_lite.py) or generating (deploy/gen_rayservice.py).
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 import sys
 import typing
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jsonschema
@@ -33,11 +41,15 @@ DEPLOY = Path(__file__).resolve().parent
 REPO = DEPLOY.parent
 OVERLAYS = DEPLOY / "k8s" / "overlays"
 DOCKERFILES = (DEPLOY / "docker" / "Dockerfile.gpu", DEPLOY / "docker" / "Dockerfile.cpu")
+SERVE_CONFIGS = (DEPLOY / "serve_config.yaml", DEPLOY / "docker" / "serve_config.gpu.yaml",
+                 DEPLOY / "docker" / "serve_config.cpu.yaml")
+KVSERVE_IMPORT_PATH = "serving.server.app:build_app"
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # oldest we support, newest kubernetes-validate knows
 CRD_FILES = {
     ("ray.io/v1", "RayService"): "ray.io_rayservices.yaml",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
 }
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 # RayService.spec.upgradeStrategy.type is a free string in the CRD; KubeRay knows these values.
 UPGRADE_TYPES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -161,8 +173,47 @@ def validate_serve_config(text: str) -> list[str]:
                     AutoscalingConfig.model_validate(dep["autoscaling_config"])
                 except ValidationError as e:
                     errors.append(f"serveConfigV2: deployment {dep['name']!r} autoscaling_config: {e}")
-        if app.get("import_path") == "serving.server.app:build_app":
+        if app.get("import_path") == KVSERVE_IMPORT_PATH:
             errors += _kvserve_args_errors(app)
+    return errors + serve_safety_errors(cfg)
+
+
+def serve_safety_errors(cfg: Doc) -> list[str]:
+    """Bounded queues with 429 + Retry-After on every deployment, no plaintext API key, and an API key from the
+    environment wherever HTTP binds beyond loopback."""
+    errors = []
+    host = (cfg.get("http_options") or {}).get("host", "127.0.0.1")  # Serve's own default
+    for app in cfg["applications"]:
+        name, deployments = app.get("name", "default"), app.get("deployments") or []
+        errors += [e for dep in deployments for e in _queue_errors(name, dep)]
+        if app.get("import_path") != KVSERVE_IMPORT_PATH:
+            continue
+        args = app.get("args") or {}
+        expected = {"ingress", *(m.get("name") for m in args.get("models") or [])}
+        for missing in sorted(expected - {d["name"] for d in deployments}):
+            errors.append(f"application {name!r}: deployment {missing!r} has no entry, so its queue is Serve's "
+                          f"default, unbounded (max_queued_requests -1); list it with max_queued_requests and "
+                          f"backpressure_config")
+        if args.get("api_key") is not None:
+            errors.append(f"application {name!r}: plaintext args.api_key: Serve's config and REST API show it to "
+                          f"anyone who can read them; name an environment variable with args.api_key_env")
+        if host not in LOOPBACK_HOSTS and not args.get("api_key_env"):
+            errors.append(f"application {name!r}: HTTP binds {host} (beyond loopback) with no API key; set "
+                          f"args.api_key_env (deploy/gen_rayservice.py does for images and Kubernetes)")
+    return errors
+
+
+def _queue_errors(app: str, dep: Doc) -> list[str]:
+    where = f"application {app!r}: deployment {dep['name']!r}"
+    errors = []
+    queued = dep.get("max_queued_requests", -1)
+    if not isinstance(queued, int) or queued < 1:
+        errors.append(f"{where}: max_queued_requests={queued} leaves the queue unbounded (a flood waits until it "
+                      f"times out); set a bound, e.g. 256")
+    pressure = dep.get("backpressure_config") or {}
+    if pressure.get("status_code") != 429 or not pressure.get("retry_after_s"):
+        errors.append(f"{where}: backpressure_config={pressure or None}: a full queue must answer 429 with "
+                      f"Retry-After (Serve's default is a bare 503); set {{status_code: 429, retry_after_s: 1}}")
     return errors
 
 
@@ -203,7 +254,10 @@ def check_rayservice(doc: Doc) -> list[str]:
     for group in groups:
         errors += _check_group(group)
     serve = yaml.safe_load(spec["serveConfigV2"])
-    return errors + _check_capacity(serve, cluster.get("workerGroupSpecs", []))
+    workers = cluster.get("workerGroupSpecs", [])
+    pods = _sibling("pods")
+    return (errors + _check_capacity(serve, workers) + pods.env_errors(serve, groups)
+            + [e for w in workers for e in pods.graceful_errors(serve, w)])
 
 
 def _check_group(group: Doc) -> list[str]:
@@ -266,14 +320,39 @@ def _image_ray_versions() -> dict[str, str]:
 
 def validate_docs(docs: list[Doc]) -> list[str]:
     """Every problem in a rendered set of manifests."""
-    errors = []
+    errors, well_formed = [], True
     for doc in docs:
         key = (doc.get("apiVersion"), doc.get("kind"))
         found = validate_custom(doc) if key in CRD_FILES else validate_core(doc)
         if key == ("ray.io/v1", "RayService") and not found:  # the checks below need a well-formed doc
             found += validate_serve_config(doc["spec"]["serveConfigV2"]) + check_rayservice(doc)
+        well_formed &= not found
         errors += found
+    if well_formed:
+        errors += _sibling("exposure").check(docs) + namespace_errors(docs)
     return errors
+
+
+def namespace_errors(docs: list[Doc]) -> list[str]:
+    """Every namespaced object lands in the RayService's namespace (a component's resources are not under the
+    base's `namespace:`; without their own they would land in whatever namespace kubectl defaults to)."""
+    namespaces = {d["metadata"].get("namespace") for d in docs if d.get("kind") == "RayService"}
+    cluster_scoped = _sibling("kustomize_lite").CLUSTER_SCOPED
+    return [f"{_name(d)}: namespace {d['metadata'].get('namespace')!r}, not the RayService's {sorted(namespaces)}"
+            for d in docs if d.get("kind") not in cluster_scoped and len(namespaces) == 1
+            and d["metadata"].get("namespace") not in namespaces]
+
+
+def _sibling(name: str) -> ModuleType:
+    """deploy/<name>.py, imported by its path once (deploy/ is a directory of scripts, not a package)."""
+    key = f"kvserve_deploy_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, DEPLOY / f"{name}.py")
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 def main() -> int:
@@ -282,6 +361,12 @@ def main() -> int:
     from kustomize_lite import render
 
     failed = gen_rayservice.main(["--check"]) != 0
+    for path in SERVE_CONFIGS:
+        errors = validate_serve_config(path.read_text(encoding="utf-8"))
+        failed |= bool(errors)
+        print(f"{path.relative_to(REPO)}: {'FAIL' if errors else 'ok'}")
+        for e in errors:
+            print(f"  {e}")
     for overlay in sorted(p for p in OVERLAYS.iterdir() if p.is_dir()):
         docs, renderer = render(overlay)
         errors = validate_docs(docs)

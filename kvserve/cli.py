@@ -66,7 +66,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from kvserve.up import up
 
-    return up(Path(args.artifacts), config=args.config, preset=args.preset)
+    return up(Path(args.artifacts), config=args.config, preset=args.preset, host=args.host)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,10 +134,13 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 def _add_up(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("up", help="data, train and export if missing, then serve (what `make serve` runs)",
                        description="Prepare data, train the default models and export bundles when they do not "
-                                   "exist yet, then serve both models with Ray Serve on http://127.0.0.1:8000.")
+                                   "exist yet, then serve both models with Ray Serve on http://127.0.0.1:8000 "
+                                   "(this machine only, unless --host says otherwise).")
     u.add_argument("--artifacts", default="artifacts", help="where data, checkpoints and bundles live")
     u.add_argument("--config", default="deploy/serve_config.yaml", help="Ray Serve config file")
     u.add_argument("--preset", default="small", choices=("tiny", "small", "base"))
+    u.add_argument("--host", help="HTTP host to bind (default: the config's http_options.host, 127.0.0.1: this "
+                                  "machine only); binding beyond loopback without an API key warns at start")
     u.set_defaults(func=_cmd_up)
 
 

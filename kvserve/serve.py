@@ -19,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "(default: deploy/serve_config.yaml); Ctrl-C stops it cleanly.")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="Ray Serve config file (default: %(default)s)")
     p.add_argument("--artifacts", help="artifacts directory holding bundles/ (overrides args.artifacts_dir)")
-    p.add_argument("--host", help="HTTP host (overrides http_options.host)")
+    p.add_argument("--host", help="HTTP host to bind (overrides http_options.host; default 127.0.0.1, this machine "
+                                  "only); binding beyond loopback without an API key warns at start")
     p.add_argument("--port", type=int, help="HTTP port (overrides http_options.port)")
     p.add_argument("--num-cpus", dest="num_cpus", type=int,
                    help="logical CPUs for the local Ray instance (default: enough for the config's replicas)")

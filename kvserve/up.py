@@ -3,7 +3,7 @@
     data      artifacts/data/{translate,generate}      kvserve data
     train     artifacts/ckpt/{translate,generate}      kvserve train   (one after the other, two cores each)
     export    artifacts/bundles/{translate,generate}   kvserve export
-    serve     Ray Serve on http://127.0.0.1:8000       kvserve serve
+    serve     Ray Serve on http://127.0.0.1:8000       kvserve serve   (--host to bind beyond loopback)
 
 Each stage is the same subcommand a user would run by hand (so its progress display is what they see),
 and a stage whose output exists is skipped: later runs go straight to serving.
@@ -46,7 +46,7 @@ def _train_missing(art: Path, tasks: list[str], preset: str) -> None:
             raise RuntimeError(f"training failed for {task} (exit {e.returncode}); see the output above") from e
 
 
-def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small") -> int:
+def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small", host: str | None = None) -> int:
     from model.data import is_prepared  # torch-free
 
     t0 = time.time()
@@ -60,5 +60,6 @@ def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small
         _run(_kvserve("export", str(art / "ckpt" / task), "--out", str(art / "bundles" / task), "--force"),
              f"export {task}")
     print(f"==> artifacts ready in {time.time() - t0:.0f}s; starting the server", file=sys.stderr, flush=True)
-    os.execv(sys.executable, _kvserve("serve", "--config", config, "--artifacts", str(art)))
+    os.execv(sys.executable, _kvserve("serve", "--config", config, "--artifacts", str(art),
+                                      *(("--host", host) if host else ())))
     return 0  # not reached

@@ -47,6 +47,7 @@ class FakeEngine:
         self.cancelled: list[str] = []
         self.submitted: list[GenerationRequest] = []
         self.observers: list = []
+        self.dead = False  # what the real engine reports once its watchdog or repeated step failures killed it
 
     def submit(self, req: GenerationRequest) -> FakeHandle:
         if len(self.active) >= self.capacity:
@@ -73,7 +74,8 @@ class FakeEngine:
         self.observers.append((on_step, on_request))
 
     def snapshot(self) -> dict:
-        return {"running": len(self.active), "waiting": 0, "slots_used": len(self.active), "slots_total": 8}
+        return {"running": len(self.active), "waiting": 0, "slots_used": len(self.active), "slots_total": 8,
+                "dead": self.dead}
 
     async def _run(self, h: FakeHandle) -> AsyncIterator[TokenEvent]:
         req, start, n, gaps, last = h.req, time.monotonic(), 0, [], None

@@ -28,8 +28,8 @@ SLOTS = 4
 
 
 class InProcessServer:
-    def __init__(self, limits: Limits, api_key: str | None = None) -> None:
-        self.limits, self.api_key = limits, api_key
+    def __init__(self, limits: Limits, api_key: str | None = None, metrics_require_key: bool = False) -> None:
+        self.limits, self.api_key, self.metrics_require_key = limits, api_key, metrics_require_key
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="inprocess-app", daemon=True)
         self._thread.start()
@@ -51,7 +51,8 @@ class InProcessServer:
             self.engines[name] = engine
             tok = Tokenizer.load(load_bundle(bundle).tokenizer_path)
             services[name] = ModelService(name, engine, tok, self.limits.max_prompt_tokens, recorder)
-        self.app = create_app(LocalBackend(services, recorder), self.limits, recorder, self.api_key)
+        self.app = create_app(LocalBackend(services, recorder), self.limits, recorder, self.api_key,
+                              metrics_require_key=self.metrics_require_key)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://test",
                                         timeout=60)
 

@@ -9,10 +9,12 @@ built from deploy/serve_config.yaml with test overrides, exactly as `kvserve ser
     generate   tiny LM (max_len 64), 2 replicas x 8 slots, health check 2 s   replica failure, fuzzing
     busy       `long` bundle, 2 slots, 2 waiting, Ray queue 6 -> 429          overload
     long       `long` bundle, 104 slots                                       disconnects, graceful drain
+    longtr     `longtr` bundle, 32 slots, 128 waiting                        plain /v1/translate disconnects
 
 The `long` bundle is a small random LM (d_model 384, 4 layers, KV cache of 256 tokens): slow enough per
 step that 100 requests of 250 tokens are still generating seconds later (and their tokens do not flood the
-streaming path), small enough for 104 KV slots.
+streaming path), small enough for 104 KV slots. `longtr` is its translation counterpart (d_model 384, 2+3
+layers, 256 tokens), so that 160 texts of 250 tokens take seconds too.
 
 Figures of a run are printed as `RELIABILITY {json}` lines (pytest -s shows them) and, when the environment
 variable KVSERVE_RELIABILITY_OUT names a file, appended to it as JSON lines; docs/reliability.md quotes them.
@@ -39,20 +41,22 @@ LIMITS = {"max_body_bytes": 65_536, "max_prompt_tokens": 32, "max_tokens": 1000,
           "request_timeout_s": DEADLINE_S}
 
 
-def write_long_bundle(art: Path) -> Path:
-    """bundles/long: a small random LM whose KV cache holds 1024 tokens, so a request can run for seconds."""
+def write_long_bundles(art: Path) -> None:
+    """bundles/long and bundles/longtr: small random models whose KV cache holds 256 tokens, slow enough per
+    step that a request can run for seconds."""
     from engine_bundle import tiny_model, write_bundle
 
-    out = art / "bundles" / "long"
-    if not (out / "manifest.json").is_file():
-        model, cfg = tiny_model("generate", max_len=LONG_MAX_LEN, d_model=384, n_decoder_layers=4, d_ff=1536)
-        write_bundle(model, cfg, "generate", out)
-    return out
+    for name, task, layers in (("long", "generate", {"n_decoder_layers": 4}),
+                               ("longtr", "translate", {"n_encoder_layers": 2, "n_decoder_layers": 3})):
+        out = art / "bundles" / name
+        if not (out / "manifest.json").is_file():
+            model, cfg = tiny_model(task, max_len=LONG_MAX_LEN, d_model=384, d_ff=1536, **layers)
+            write_bundle(model, cfg, task, out)
 
 
 def reliability_config(art: Path, port: int, key_env: str) -> dict:
     cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
-    cfg["http_options"].update(port=port, host="127.0.0.1")
+    cfg["http_options"].update(port=port)  # the host is the shipped default, 127.0.0.1 (tests/test_launch.py)
     app = cfg["applications"][0]
     app["name"] = APP
     args = app["args"]
@@ -63,7 +67,8 @@ def reliability_config(art: Path, port: int, key_env: str) -> dict:
         {"name": "translate", "bundle": "bundles/translate", "engine": {**one, "max_slots": 4}},
         {"name": "generate", "bundle": "bundles/generate", "engine": {**one, "max_slots": 8}},
         {"name": "busy", "bundle": "bundles/long", "engine": {**one, "max_slots": 2}},
-        {"name": "long", "bundle": "bundles/long", "engine": {**one, "max_slots": 104}}]
+        {"name": "long", "bundle": "bundles/long", "engine": {**one, "max_slots": 104}},
+        {"name": "longtr", "bundle": "bundles/longtr", "engine": {**one, "max_slots": 32}}]
     small = {"ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 5,
              "graceful_shutdown_wait_loop_s": 0.5}
     live = {"batching": "continuous", "max_waiting": 16, "max_batch_size": 4, "batch_wait_timeout_s": 0.01}
@@ -82,7 +87,8 @@ def reliability_config(art: Path, port: int, key_env: str) -> dict:
         {"name": "busy", "max_ongoing_requests": 6, "max_queued_requests": 6,
          "backpressure_config": {"status_code": 429, "retry_after_s": 1}, **small,
          "user_config": {**live, "max_waiting": 2}},
-        {"name": "long", "max_ongoing_requests": 128, **small, "user_config": {**live, "max_waiting": 16}}]
+        {"name": "long", "max_ongoing_requests": 128, **small, "user_config": {**live, "max_waiting": 16}},
+        {"name": "longtr", "max_ongoing_requests": 176, **small, "user_config": {**live, "max_waiting": 144}}]
     return cfg
 
 
@@ -117,7 +123,7 @@ class RelApp:
 def deploy(art: Path, port: int, api_key: str, key_env: str) -> RelApp:
     from serving.server.launch import prepare_config, start
 
-    write_long_bundle(art)
+    write_long_bundles(art)
     path = art / "reliability_serve_config.yaml"
     path.write_text(yaml.safe_dump(reliability_config(art, port, key_env)))
     raw = prepare_config(path)

@@ -24,7 +24,8 @@ from serving.engine.config import BatchingKnobs
 from serving.server.config import AppArgs, Limits, load_serve_config
 from serving.server.drain import Drain
 from serving.server.metrics import Recorder, aggregate_exposition
-from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult
+from serving.server.chunks import coalesce
+from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
 from serving.server.stops import StopMatcher
 from serving.engine.types import SamplingParams
 
@@ -44,11 +45,14 @@ class LocalBackend:
     async def complete(self, model: str, req: TextRequest) -> TextResult:
         return await self.services[model].complete(req)
 
-    def stream(self, model: str, req: TextRequest) -> AsyncIterator[StreamPiece | TextResult]:
-        return self.services[model].stream(req)
+    def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
+        # As the model replica does (serving/server/replica.py), with no wait: a chunk is what is ready.
+        return coalesce(self.services[model].stream(req), 0.0, is_final=is_result)
 
-    async def ready(self) -> bool:
-        return True
+    async def models_ready(self) -> dict[str, bool]:
+        """A model can serve while its (single, in-process) engine is alive and accepting."""
+        return {n: not s.engine.snapshot().get("dead") and s.engine.snapshot().get("accepting", True)
+                for n, s in self.services.items()}
 
     async def metrics_text(self) -> str:
         return aggregate_exposition([self.recorder.exposition()])

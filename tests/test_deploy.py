@@ -58,7 +58,8 @@ def test_image_config_differs_from_checkout_config_only_by_the_declared_override
     before, after = _flatten(source), _flatten(out)
     changed = {p for p in before.keys() | after.keys() if before.get(p, object()) != after.get(p, object())}
     allowed = ("/http_options/", "/args/artifacts_dir", "/bundle", "/engine/provider", "/num_replicas",
-               "/autoscaling_config/", "/ray_actor_options/num_cpus", "/ray_actor_options/num_gpus")
+               "/autoscaling_config/", "/ray_actor_options/num_cpus", "/ray_actor_options/num_gpus",
+               "/args/api_key", "/args/api_key_env", "/graceful_shutdown_timeout_s")
     assert changed and all(any(a in p for a in allowed) for p in changed), sorted(changed)
     app = out["applications"][0]
     for model in app["args"]["models"]:
@@ -71,6 +72,9 @@ def test_image_config_differs_from_checkout_config_only_by_the_declared_override
         assert gpus == (gen.GPU_PER_MODEL_REPLICA if is_model and variant is gen.Variant.GPU else 0)
         assert dep["ray_actor_options"]["num_cpus"] > 0
     assert out["http_options"]["host"] == "0.0.0.0" and out["http_options"]["port"] == 8000
+    assert "api_key" not in app["args"] and app["args"]["api_key_env"] == gen.API_KEY_ENV
+    assert all(d["graceful_shutdown_timeout_s"] >= app["args"]["limits"]["request_timeout_s"]
+               for d in app["deployments"])
 
 
 def test_generator_refuses_a_model_deployment_without_cpu() -> None:
@@ -166,12 +170,13 @@ def test_monitors_and_pdb_select_the_ray_pods() -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_rendered_manifest_validates(overlay: str) -> None:
     docs = rendered_lite(overlay)
-    assert {d["kind"] for d in docs} >= {"RayService", "PodMonitor", "PodDisruptionBudget", "Namespace"}
+    assert {d["kind"] for d in docs} >= {"RayService", "PodMonitor", "PodDisruptionBudget", "Namespace",
+                                         "NetworkPolicy"}
     assert val.validate_docs(list(docs)) == []
 
 
 def test_core_kinds_pass_the_kubernetes_validate_cli_in_strict_mode(tmp_path) -> None:
-    core = [d for d in rendered_lite("gpu-volume") if (d["apiVersion"], d["kind"]) not in val.CRD_FILES]
+    core = [copy.deepcopy(d) for d in rendered_lite("gpu-volume") if (d["apiVersion"], d["kind"]) not in val.CRD_FILES]
     good = tmp_path / "core.yaml"
     good.write_text(yaml.safe_dump_all(core), encoding="utf-8")
     cli = [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", val.KUBERNETES_VERSIONS[0]]
@@ -295,4 +300,4 @@ def test_validate_cli_passes_on_the_repository() -> None:
     done = subprocess.run([sys.executable, str(DEPLOY / "validate.py")], capture_output=True, text=True,
                           timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(": ok") == len(OVERLAYS)
+    assert done.stdout.count(": ok") == len(OVERLAYS) + len(val.SERVE_CONFIGS)

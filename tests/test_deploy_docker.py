@@ -2,7 +2,9 @@
 
 No Docker engine exists on the development machines, so the images are checked by parts: hadolint on the
 Dockerfiles, the requirements script that decides what gets installed, the .dockerignore allow-list
-(with Docker's matching rules), and the facts the images and the RayService must agree on.
+(with Docker's matching rules), the facts the images and the RayService must agree on, and the image's
+command: the package builds from exactly what the build stage copies (through .dockerignore), and
+`kvserve serve` starts from those sources with none of the packages the image leaves out (torch, ...).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from deploy_helpers import DEPLOY, REPO, load, rendered_lite
 
 req = load("docker/requirements")
@@ -59,7 +62,7 @@ def test_image_runs_as_non_root_with_its_serve_config(variant: str) -> None:
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and all(int(u.split(":")[0]) >= 1000 for u in users), users
     assert f"deploy/docker/serve_config.{variant}.yaml /etc/kvserve/serve_config.yaml" in text
-    assert 'CMD ["serve", "run", "/etc/kvserve/serve_config.yaml"]' in text
+    assert 'CMD ["kvserve", "serve", "--config", "/etc/kvserve/serve_config.yaml", "--host", "0.0.0.0"]' in text
     pod_users = {g["template"]["spec"]["securityContext"]["runAsUser"]
                  for o in ("gpu", "cpu") for d in rendered_lite(o) if d["kind"] == "RayService"
                  for g in [d["spec"]["rayClusterConfig"]["headGroupSpec"],
@@ -174,3 +177,99 @@ def test_every_copy_source_exists_and_is_in_the_context() -> None:
                     continue  # the bundles (checked above): built by `make serve`, absent in a fresh clone
                 assert (REPO / src).exists(), f"{variant}: COPY source {src} does not exist"
                 assert not dockerignored(src, lines), f"{variant}: COPY source {src} is excluded by .dockerignore"
+
+
+# --- what the image runs ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", DOCKERFILES)
+def test_image_serves_like_kvserve_serve_with_the_key_from_the_environment(variant: str) -> None:
+    from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
+
+    gen = load("gen_rayservice")
+    text = DOCKERFILES[variant].read_text()
+    assert re.findall(r"^EXPOSE (.+)$", text, re.M) == ["8000"]
+    assert f"ENV {CALLBACK_ENV}={PROXY_CALLBACK}\n" in text
+    assert not re.search(rf"^(ENV|ARG) .*{gen.API_KEY_ENV}", text, re.M)  # never baked in
+    assert "--env-file" in text and f"-e {gen.API_KEY_ENV}" in text and "docker stop -t 90" in text
+    config = yaml.safe_load((DEPLOY / "docker" / f"serve_config.{variant}.yaml").read_text())
+    assert config["http_options"]["host"] == "0.0.0.0"
+    assert config["applications"][0]["args"]["api_key_env"] == gen.API_KEY_ENV
+
+
+def _build_stage_copies(text: str) -> list[tuple[list[str], str]]:
+    """(sources, destination) of each COPY into /src of the build stage."""
+    build = text.split("FROM base AS build", 1)[1].split("\nFROM ", 1)[0]
+    return [(line.split()[1:-1], line.split()[-1]) for line in build.splitlines()
+            if line.startswith("COPY ") and "--from" not in line and line.split()[-1].startswith("/src")]
+
+
+def image_sources(variant: str, root: Path) -> Path:
+    """What the build stage has in /src: its COPY sources as Docker sends them (through .dockerignore)."""
+    lines, src = _dockerignore(), root / "src"
+    for sources, dest in _build_stage_copies(DOCKERFILES[variant].read_text()):
+        for source in sources:
+            files = [REPO / source] if (REPO / source).is_file() else sorted((REPO / source).rglob("*"))
+            for f in files:
+                rel = f.relative_to(REPO).as_posix()
+                if not f.is_file() or dockerignored(rel, lines):
+                    continue
+                inner = f.name if dest.endswith("/") else f.relative_to(REPO / source).as_posix()
+                target = src / dest.removeprefix("/src").strip("/") / inner
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, target)
+    return src
+
+
+@pytest.fixture(scope="module")
+def cpu_image_src(tmp_path_factory) -> Path:
+    return image_sources("cpu", tmp_path_factory.mktemp("image"))
+
+
+def test_the_package_builds_from_what_the_image_copies(cpu_image_src: Path, tmp_path) -> None:
+    """`pip install --no-deps /src` in the build stage: every package pyproject.toml lists must be there."""
+    build = "from setuptools import build_meta as b; import sys; print(b.build_wheel(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=cpu_image_src, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    import zipfile
+
+    names = zipfile.ZipFile(tmp_path / done.stdout.split()[-1]).namelist()
+    assert {"kvserve/cli.py", "serving/server/launch.py", "serving/server/proxy_guard.py"} <= set(names)
+
+
+def _absent_from_image() -> set[str]:
+    """Import names of the packages pyproject.toml declares but the image does not install (base + serve only)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    installed = {req._name(r) for r in [*project["dependencies"], *project["optional-dependencies"]["serve"]]}
+    declared = {req._name(r) for extra in project["optional-dependencies"].values() for r in extra}
+    return {n.replace("-", "_") for n in declared - installed if n != "kvserve"}
+
+
+_BLOCK = """
+import importlib.abc, sys
+ABSENT = set(sys.argv[1].split(","))
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the image)", name=name)
+sys.meta_path.insert(0, Absent())
+import kvserve.cli
+assert kvserve.cli.__file__.startswith(sys.argv[2]), kvserve.cli.__file__
+args = kvserve.cli.build_parser().parse_args(sys.argv[3:])
+print(args.func.__module__, args.config, args.host)
+"""
+
+
+def test_kvserve_serve_starts_from_the_image_sources_without_the_packages_it_leaves_out(cpu_image_src: Path) -> None:
+    absent = _absent_from_image()
+    assert {"torch", "matplotlib", "locust", "pytest"} <= absent
+    command = re.search(r'^CMD \[(.+)\]$', DOCKERFILES["cpu"].read_text(), re.M).group(1)
+    argv = [a.strip().strip('"') for a in command.split(",")]
+    assert argv[:2] == ["kvserve", "serve"]
+    done = subprocess.run([sys.executable, "-c", _BLOCK, ",".join(sorted(absent)), str(cpu_image_src), *argv[1:]],
+                          cwd=cpu_image_src.parent, env={"PYTHONPATH": str(cpu_image_src), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["kvserve.serve", "/etc/kvserve/serve_config.yaml", "0.0.0.0"]

@@ -40,11 +40,11 @@ class SilentModel:
     async def stream(self, model: str, req: Any) -> AsyncIterator[Any]:
         from serving.server.service import StreamPiece
         for i in range(self.pieces):
-            yield StreamPiece("tok ", i)
+            yield [StreamPiece("tok ", i)]
         await asyncio.Event().wait()
 
-    async def ready(self) -> bool:
-        return True
+    async def models_ready(self) -> dict[str, bool]:
+        return {"generate": True}
 
     async def metrics_text(self) -> str:
         return ""

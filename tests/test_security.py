@@ -1,8 +1,9 @@
 """Security: the API key, bundle integrity, and no unpickling of anything untrusted.
 
-- Authentication (serving/server/auth.py): with a key set, every path but the health probes and /metrics needs
-  `Authorization: Bearer <key>` (401 + `WWW-Authenticate: Bearer` otherwise, unknown paths and /docs
-  included); the key is compared in constant time (`hmac.compare_digest` of SHA-256 digests) and never
+- Authentication (serving/server/auth.py): with a key set (from the environment, `api_key_env`, as a Secret
+  reaches a pod), every path but the health probes (per-model readiness included) and /metrics -- and
+  /metrics too with `metrics_require_key` -- needs `Authorization: Bearer <key>` (401 +
+  `WWW-Authenticate: Bearer` otherwise, unknown paths and /docs included); the key is compared in constant time (`hmac.compare_digest` of SHA-256 digests) and never
   appears in a log line or a response. Fast: the real API in-process (tests/inprocess_app.py); slow: the
   reliability application on a real Ray Serve cluster, whose every log file is searched for the key.
 - Integrity: a bundle with a changed or missing file, or a manifest that does not match, is refused by the
@@ -29,11 +30,12 @@ import pytest
 from engine_bundle import cached_bundle
 from export.bundle import BundleError
 from inprocess_app import InProcessServer
-from serving.server.auth import OPEN_PATHS, BearerAuth, key_sha256
+from serving.server.auth import HEALTH_PATHS, OPEN_PATHS, BearerAuth, key_sha256
 from serving.server.config import AppArgs, Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "kvs-secret-" + "Zq8w" * 8
+KEY_ENV = "KVSERVE_SECURITY_TEST_KEY"
 LIMITS = Limits(max_prompt_tokens=32, max_tokens=8, default_max_tokens=4)
 
 
@@ -44,27 +46,42 @@ def server():
     s.close()
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["metrics-open", "metrics-require-key"])
+def env_keyed(request):
+    """The app with its key read from the environment (`api_key_env`), /metrics open or behind the key."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, KEY)
+        args = AppArgs.model_validate({"models": [{"name": "generate", "bundle": "b"}], "api_key_env": KEY_ENV,
+                                       "metrics_require_key": request.param})
+        s = InProcessServer(LIMITS, api_key=args.resolved_api_key(), metrics_require_key=args.metrics_require_key)
+    yield s
+    s.close()
+
+
 def _routes(server: InProcessServer) -> list[tuple[str, str]]:
-    """(method, path) of every route the app has, its documentation pages included."""
+    """(method, path) of every route the app has, its documentation pages included ({name}: a served model)."""
     out = []
     for route in server.app.routes:
         for method in sorted(getattr(route, "methods", None) or {"GET"}):
             if method != "HEAD":
-                out.append((method, route.path))
+                out.append((method, route.path.replace("{name}", "generate")))
     return out
 
 
 # -- authentication ------------------------------------------------------------------------------------------
-def test_every_route_but_health_and_metrics_needs_the_key(server):
-    routes = _routes(server)
+def test_every_route_but_health_and_metrics_needs_the_key(env_keyed):
+    server = env_keyed
+    model_ready = {"/v2/models/generate/ready", "/v2/models/translate/ready"}
+    open_paths = HEALTH_PATHS | model_ready | (set() if server.metrics_require_key else {"/metrics"})
+    routes = _routes(server) + [("GET", "/v2/models/translate/ready")]
     assert {p for _, p in routes} >= {"/v1/generate", "/v1/translate", "/v1/completions", "/v1/models", "/docs",
-                                      "/openapi.json", *OPEN_PATHS}
+                                      "/openapi.json", *OPEN_PATHS, *model_ready}
     body = {"prompt": "the", "max_tokens": 2}
     for method, path in routes + [("GET", "/no/such/path"), ("DELETE", "/v1/generate")]:
         for headers in ({}, {"Authorization": f"Bearer {KEY}x"}, {"Authorization": KEY},
                         {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer "}):
             r = server.request(method, path, json=body if method == "POST" else None, headers=headers)
-            if path in OPEN_PATHS:
+            if path in open_paths:
                 assert r.status_code == 200, (method, path, r.text)
                 continue
             assert r.status_code == 401, (method, path, headers, r.status_code)
@@ -72,6 +89,8 @@ def test_every_route_but_health_and_metrics_needs_the_key(server):
             assert r.json()["error"]["type"] == "unauthorized" and "Bearer" in r.json()["error"]["message"]
     good = {"Authorization": f"Bearer {KEY}"}
     assert server.request("GET", "/v1/models", headers=good).status_code == 200
+    assert "kvserve_requests_total" in server.request("GET", "/metrics", headers=good).text  # either way
+    assert server.request("GET", "/v2/models/nope/ready").status_code == 404  # open, but only for served models
     assert server.request("GET", "/docs", headers=good).status_code == 200
     assert server.request("POST", "/v1/generate", json=body, headers={"Authorization": f"bearer  {KEY} "}
                           ).status_code == 200  # the scheme is case-insensitive (RFC 9110 11.1)
@@ -287,7 +306,7 @@ def test_cluster_requires_the_key_and_never_logs_it(rel):
                 r = anonymous.request(method, path, json={"prompt": "x"} if method == "POST" else None,
                                       headers=headers)
                 assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (path, r.text)
-        for path in sorted(OPEN_PATHS):
+        for path in sorted(OPEN_PATHS) + ["/v2/models/generate/ready"]:
             assert anonymous.get(path).status_code == 200, path
     with rel.client() as client:
         assert client.get("/v1/models").status_code == 200 and client.get("/docs").status_code == 200

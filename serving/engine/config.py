@@ -32,6 +32,10 @@ class ReplicaKnobs(_Knobs):
                           description="ONNX Runtime provider: auto (CUDA where a GPU is visible), cpu or cuda.")
     intra_op_threads: int | None = Field(None, ge=1, le=256,
                                          description="ONNX Runtime intra-op threads per replica; None = ORT default.")
+    step_timeout_s: float = Field(30.0, gt=0, le=3600, description=(
+        "Watchdog: a step still running after this many seconds marks the engine unhealthy (a hung ONNX Runtime "
+        "call cannot be interrupted): its requests fail with a retryable error (HTTP 503), new ones are refused, "
+        "and the replica's health check fails so Ray replaces it. Far above any real step (ms to ~1 s)."))
 
 
 class BatchingKnobs(_Knobs):

@@ -2,11 +2,15 @@
 
 Owns: the public engine API the server codes against (Engine, RequestHandle), admission, the step loop
 (schedule -> run -> update), streaming TokenEvents, finishing requests (stop ids, length, cancellation,
-deadlines, errors), live reconfiguration and the per-step / per-request stats handed to observers.
+deadlines, errors), the engine's health (a failed step fails only its rows; MAX_CONSECUTIVE_FAILURES in a row,
+a step that runs past `step_timeout_s` or a crash of the loop make it dead: `snapshot()["dead_reason"]`),
+live reconfiguration and the per-step / per-request stats handed to observers.
 
 The loop runs on the event loop; each step's ONNX Runtime work and token choice run in one worker thread
 (serving/engine/runner.py), so the loop yields between steps and HTTP keeps being served. All scheduler
-state changes happen on the event-loop thread. A step's events reach the streams when the next step's ONNX
+state changes happen on the event-loop thread. The watchdog is a timer on the event loop, not in the worker
+thread: an ONNX Runtime call cannot be interrupted, so a hung step's thread is abandoned (the engine is dead,
+every request fails with a retryable error, and the replica is replaced) rather than waited for. A step's events reach the streams when the next step's ONNX
 Runtime call starts (or at once when no step follows), so consumers run while the model computes.
 
 Conventions: a decoder-only prompt starts with bos (the API layer prepends it); an encoder-decoder prompt is
@@ -86,6 +90,8 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._accepting, self._stopping, self._dead = True, False, False
+        self._dead_reason: str | None = None
+        self._hung: str | None = None  # set by the watchdog's timer when the step in flight overran
         self._failures = 0
         # Events of the last step, handed to the streams once the next step's compute has started (see _flush).
         self._outbox: list[tuple[RequestHandle, TokenEvent]] = []
@@ -118,14 +124,15 @@ class Engine:
             self._stopping = True
             await self._task
             self._task = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        if self._executor is not None:  # a hung step's thread is abandoned: it may never return
+            self._executor.shutdown(wait=self._hung is None, cancel_futures=True)
             self._executor = None
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request (or raise AdmissionRejected / InvalidRequest / EngineDead); iterate the handle."""
         if self._dead:
-            raise EngineDead("the engine's step loop failed and stopped; the replica must be restarted")
+            raise EngineDead(f"the engine is unhealthy ({self._dead_reason}) and is being replaced; retry the "
+                             f"request")
         if not self._accepting:
             raise AdmissionRejected("shutting_down", 1.0)
         if req.request_id in self._live:
@@ -163,7 +170,7 @@ class Engine:
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting), "slots_used": s.slots_used,
                 "slots_total": s.n_slots, "mode": s.knobs.batching.value, "dead": self._dead,
-                "accepting": self._accepting}
+                "dead_reason": self._dead_reason, "accepting": self._accepting}
 
     # ---- admission ---------------------------------------------------------------------------------
     def _sequence(self, req: GenerationRequest, now: float) -> Sequence:
@@ -181,8 +188,7 @@ class Engine:
                 await self._iteration()
         except Exception as e:  # a bug in the loop itself: nothing can run any more
             log.exception("engine loop crashed")
-            self._dead = True
-            self._fail_all(f"engine loop crashed: {e!r}")
+            self._die(f"engine loop crashed: {e!r}")
         finally:
             self._flush()
 
@@ -202,17 +208,37 @@ class Engine:
         rows = self.scheduler.owner[: plan.decode_rows]
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        step = loop.run_in_executor(self._executor, self._runner.execute, plan, rows,
+                                    functools.partial(loop.call_soon_threadsafe, self._flush))
+        watchdog = loop.call_later(self.config.step_timeout_s, self._overran, step, t0)
         try:
             # execute() always gives its start signal before it returns or raises, so the _flush it queues
             # runs before this await resumes (the loop runs callbacks in order): the outbox is empty here.
-            result = await loop.run_in_executor(self._executor, self._runner.execute, plan, rows,
-                                                functools.partial(loop.call_soon_threadsafe, self._flush))
+            result = await step
             self._update(plan, result, time.perf_counter() - t0)
+        except asyncio.CancelledError:
+            if self._hung is None:  # not the watchdog's doing
+                raise
+            self._die(self._hung)
+            self._flush()
+            return
         except Exception as e:  # the runtime failed: fail this step's requests, maybe the engine
             self._step_failed(plan, e)
             self._flush()  # the outbox keeps the order: earlier tokens, then the failures
             return
+        finally:
+            watchdog.cancel()
         self._failures = 0
+
+    def _overran(self, step: asyncio.Future, t0: float) -> None:
+        """The watchdog's timer: the step in flight ran past step_timeout_s. Its thread cannot be stopped;
+        cancelling the future only releases the loop, which then declares the engine dead (`_iteration`)."""
+        if step.done():
+            return
+        self._hung = (f"a step ran {time.perf_counter() - t0:.1f}s, past step_timeout_s="
+                      f"{self.config.step_timeout_s:g}s (hung ONNX Runtime call)")
+        log.error("engine watchdog: %s; failing every request, the replica must be replaced", self._hung)
+        step.cancel()
 
     def _emit(self, handle: RequestHandle, event: TokenEvent) -> None:
         self._outbox.append((handle, event))
@@ -290,13 +316,16 @@ class Engine:
         self._failures += 1
         self._runner.pending = []
         if self._failures >= MAX_CONSECUTIVE_FAILURES:
-            self._dead = True
-            self._fail_all(f"engine failed {self._failures} steps in a row, last: {exc!r}")
+            self._die(f"engine failed {self._failures} steps in a row, last: {exc!r}")
             return
-        self._fail(list(self.scheduler.running), f"engine step failed: {exc!r}")
+        self._fail(list(self.scheduler.running), f"engine step failed: {exc!r}; retry the request")
 
-    def _fail_all(self, error: str) -> None:
-        self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), error)
+    def _die(self, reason: str) -> None:
+        """Nothing can run any more: refuse new requests, fail every waiting and running one (retryable: the
+        replica's health check now fails and Ray replaces it)."""
+        self._dead, self._dead_reason = True, reason
+        self._fail(list(self.scheduler.running) + list(self.scheduler.waiting),
+                   f"{reason}; this replica is being replaced, retry the request")
 
     def _fail(self, victims: list[Sequence], error: str) -> None:
         now = time.monotonic()

@@ -1,6 +1,6 @@
 """The Ray Serve application: `build_app(args)`, the Serve config's `import_path` (serving.server.app:build_app).
 
-It parses `AppArgs` (serving/server/config.py), checks every bundle exists, and binds the graph: one
+It parses `AppArgs` (serving/server/config.py), checks every bundle exists, and binds the graph (`bind_app`): one
 `ModelDeployment` (replica.py) per model bundle plus the HTTP `Ingress` (ingress.py) that holds their handles.
 Deployment options (replicas, autoscaling, queue limits, actor options, user_config) come from the Serve
 config file, not from code.
@@ -27,13 +27,17 @@ def bundle_task(bundle_dir: Path) -> str:
 
 def build_app(args: dict[str, Any]) -> Any:
     """The Serve application for the Serve config's `args` (see serving/server/config.py AppArgs)."""
-    parsed = AppArgs.model_validate(args)
+    return bind_app(AppArgs.model_validate(args))
+
+
+def bind_app(parsed: AppArgs, model_deployment: Any = ModelDeployment) -> Any:
+    """The application graph; tests pass a `model_deployment` that injects faults (tests/fault_app.py)."""
     tasks, handles = {}, {}
     limits = parsed.limits.model_dump(mode="json")
     for spec in parsed.models:
         bundle_dir = parsed.bundle_dir(spec)
         tasks[spec.name] = bundle_task(bundle_dir)
-        handles[spec.name] = ModelDeployment.options(name=spec.name).bind(
+        handles[spec.name] = model_deployment.options(name=spec.name).bind(
             spec.model_dump(mode="json"), str(bundle_dir), limits)
     resolved = parsed.model_dump(mode="json")
     resolved["artifacts_dir"] = str(parsed.artifacts_dir.resolve())

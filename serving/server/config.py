@@ -77,6 +77,10 @@ class ModelSpec(_Strict):
     name: str = Field(..., description="Model name in the API and Serve deployment name, e.g. 'translate'.")
     bundle: Path = Field(..., description="Bundle directory; relative paths are under AppArgs.artifacts_dir.")
     engine: ReplicaKnobs = Field(default_factory=ReplicaKnobs)
+    stream_interval_s: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "A stream's tokens cross from the model replica to the client at most once per this interval (the first "
+        "token at once, the last without waiting); 0 = as soon as each is ready. The SSE output stays one event "
+        "per token. Fewer, larger messages cost the proxy and the ingress less CPU (docs/benchmarks.md)."))
 
     @field_validator("name")
     @classmethod
@@ -95,6 +99,10 @@ class AppArgs(_Strict):
     api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$",
                                     description="Name of an environment variable holding the API key (wins "
                                                 "over api_key; read once when the ingress starts).")
+    metrics_require_key: bool = Field(False, description=(
+        "true: /metrics needs the API key too (Prometheus then sends it, e.g. a ServiceMonitor's "
+        "`authorization` with the key's Secret). false (default): /metrics is open like the health probes, "
+        "so scrapers need no credentials. Without an API key it has no effect."))
 
     @field_validator("models")
     @classmethod

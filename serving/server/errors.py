@@ -167,7 +167,7 @@ def install_error_handlers(app: FastAPI, recorder: Recorder) -> None:
 
 
 ROUTES_HINT = ("POST /v1/translate, POST /v1/generate, POST /v1/completions, GET /v1/models, "
-               "GET /v2/health/live, GET /v2/health/ready, GET /metrics")
+               "GET /v2/health/live, GET /v2/health/ready, GET /v2/models/{name}/ready, GET /metrics")
 
 
 def _http_message(request: Request, e: StarletteHTTPException) -> str:

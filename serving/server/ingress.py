@@ -2,15 +2,20 @@
 
 `Ingress` serves the app with `RayBackend`, which calls the model deployments through handles (streaming
 ones for SSE), turns Ray's overload errors into 429s and a replica that died or is gone into a 503 that can
-be retried, and cancels the model's request when the HTTP client goes away. Its `reconfigure` (user_config
-`IngressKnobs`) drains the replica for a graceful shutdown.
+be retried, and cancels the model's request when the HTTP client goes away. Readiness counts each model's
+RUNNING replicas in Serve's status (readiness.py); /metrics is the cross-node scrape (metrics.py), both off
+the event loop and cached for about a second, single flight (cached.py; /metrics answers from the last scrape
+while the next one runs), so anonymous probes and scrapes at any rate cost the cluster one call per second. Its `reconfigure` (user_config `IngressKnobs`) drains the
+replica for a graceful shutdown.
 
 Does not own: the routes (api.py), the model replicas (replica.py), the app graph (app.py).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,18 +27,28 @@ from serving.server.config import AppArgs, IngressKnobs
 from serving.server.errors import ErrorKind, ServiceError
 from serving.server.api import create_app
 from serving.server.drain import Drain
-from serving.server.metrics import Recorder, aggregate_exposition, scrape_ray_nodes
-from serving.server.service import StreamPiece, TextRequest, TextResult
+from serving.server.cached import Cached
+from serving.server.metrics import RayNodeScraper, Recorder, aggregate_exposition
+from serving.server.readiness import ModelReadiness, probe_replicas, serve_replica_states
+from serving.server.service import StreamPiece, TextRequest, TextResult, is_result
 
 log = logging.getLogger("ray.serve")
-READY_TIMEOUT_S = 2.0
+# /metrics answers from a scrape at most METRICS_TTL_S old (Ray's nodes export every 1-2 s anyway), or up to
+# METRICS_STALE_S older while the next scrape runs, so that a flood of scrapers never waits for one. A node's own
+# exposition grows to megabytes (2.4 MB, 0.6 s to fetch and filter, measured here on a loaded machine), so a slow
+# scrape is repeated less often: at most SCRAPE_SHARE of the time goes to scraping.
+METRICS_TTL_S, METRICS_STALE_S, SCRAPE_SHARE = 1.0, 3.0, 0.2
 
 
 class RayBackend:
     """serving.server.api.Backend over Serve deployment handles."""
 
-    def __init__(self, handles: dict[str, DeploymentHandle], tasks: dict[str, str]) -> None:
+    def __init__(self, handles: dict[str, DeploymentHandle], tasks: dict[str, str], app_name: str) -> None:
         self.handles, self.tasks = handles, tasks
+        self.readiness = ModelReadiness(list(handles), functools.partial(serve_replica_states, app_name),
+                                        lambda model: probe_replicas(self.handles[model]))
+        self._scraper = RayNodeScraper()
+        self._metrics: Cached[str] = Cached(self._scrape, METRICS_TTL_S, METRICS_STALE_S)
 
     def model_tasks(self) -> dict[str, str]:
         return self.tasks
@@ -53,15 +68,15 @@ class RayBackend:
             raise result
         return result
 
-    async def stream(self, model: str, req: TextRequest) -> AsyncIterator[StreamPiece | TextResult]:
+    async def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
         gen, finished = None, False
         try:
             gen = self.handles[model].options(stream=True).stream.remote(req)
-            async for item in gen:
-                if isinstance(item, ServiceError):
-                    raise item
-                finished = finished or isinstance(item, TextResult)  # the last item: nothing to cancel after
-                yield item
+            async for chunk in gen:
+                if isinstance(chunk, ServiceError):
+                    raise chunk
+                finished = finished or is_result(chunk[-1])  # the last item: nothing to cancel after
+                yield chunk
             finished = True
         except ServiceError:
             raise
@@ -71,16 +86,19 @@ class RayBackend:
             if gen is not None and not finished:  # client gone or error: cancel the model's request
                 _cancel_quietly(gen)
 
-    async def ready(self) -> bool:
-        async def one(h: DeploymentHandle) -> bool:
-            try:
-                return bool(await asyncio.wait_for(h.ready.remote(), READY_TIMEOUT_S))
-            except Exception:
-                return False
-        return all(await asyncio.gather(*(one(h) for h in self.handles.values())))
+    async def models_ready(self) -> dict[str, bool]:
+        return await self.readiness.models_ready()
 
     async def metrics_text(self) -> str:
-        return aggregate_exposition(await scrape_ray_nodes())
+        return await self._metrics.get()
+
+    async def _scrape(self) -> str:
+        t0 = time.monotonic()
+        texts = await self._scraper.texts()
+        text = await asyncio.to_thread(aggregate_exposition, texts)  # filtering megabytes of text: CPU
+        self._metrics.ttl_s = max(METRICS_TTL_S, (time.monotonic() - t0) / SCRAPE_SHARE)
+        self._metrics.stale_s = self._metrics.ttl_s + METRICS_STALE_S
+        return text
 
 
 def _cancel_quietly(response: Any) -> None:
@@ -118,10 +136,11 @@ class Ingress:
     def __init__(self, args: dict, tasks: dict[str, str], **handles: DeploymentHandle) -> None:
         self.args, self.tasks, self.handles = AppArgs.model_validate(args), tasks, handles
         self.drain = Drain()
+        self.app_name = serve.get_replica_context().app_name  # whose replicas readiness counts
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(RayBackend(self.handles, self.tasks), self.args.limits, Recorder("ray"),
-                          self.args.resolved_api_key(), self.drain)
+        return create_app(RayBackend(self.handles, self.tasks, self.app_name), self.args.limits, Recorder("ray"),
+                          self.args.resolved_api_key(), self.drain, self.args.metrics_require_key)
 
     async def reconfigure(self, user_config: dict) -> None:
         """`draining: true` refuses new API requests from now on (serving/server/drain.py); false resumes."""

@@ -1,7 +1,8 @@
 """What `kvserve serve` runs: start Ray and Ray Serve locally from existing bundles, with the Serve config file.
 
-Validates the config offline (serving.server.config.load_serve_config), checks every bundle exists, starts a local
-Ray instance, deploys the config exactly as `serve run`/`serve deploy` would (the controller imports
+Validates the config offline (serving.server.config.load_serve_config), checks every bundle exists, binds HTTP
+to 127.0.0.1 unless the config or `--host` says otherwise (and warns at start when it binds beyond loopback
+with no API key: `exposure_warning`), starts a local Ray instance, deploys the config exactly as `serve run`/`serve deploy` would (the controller imports
 `serving.server.app:build_app`), waits until every application is RUNNING, prints the URLs, and blocks. Ctrl-C
 (or SIGTERM) stops cleanly (`stop`): first `drain` -- every ingress replica answers new API requests with
 503 + Retry-After and reports not ready, while the requests in flight finish -- then the applications are
@@ -13,6 +14,7 @@ or exporting bundles (`kvserve up` does that first), the app itself (serving/ser
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -25,6 +27,7 @@ from typing import Any
 from serving.server.config import INGRESS_DEPLOYMENT, AppArgs, load_serve_config, validate_serve_config
 
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
+DEFAULT_HOST = "127.0.0.1"  # safe by default: only this machine reaches the API unless told otherwise
 IMPORT_PATH = "serving.server.app:build_app"
 START_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 60.0
@@ -50,9 +53,36 @@ def prepare_config(config: str | Path, artifacts: str | Path | None = None, host
     http = raw.setdefault("http_options", {})
     if host is not None:
         http["host"] = host
+    http.setdefault("host", DEFAULT_HOST)
     if port is not None:
         http["port"] = port
     return validate_serve_config(raw)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (127.0.0.0/8, ::1, localhost); 0.0.0.0 and names are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def exposure_warning(raw: dict[str, Any]) -> str | None:
+    """A warning when the config serves beyond loopback while some kvserve application has no API key."""
+    host = (raw.get("http_options") or {}).get("host", DEFAULT_HOST)
+    if is_loopback(host):
+        return None
+    open_apps = [a.get("name", "default") for a in raw.get("applications", [])
+                 if a.get("import_path") == IMPORT_PATH
+                 and not ((a.get("args") or {}).get("api_key") or (a.get("args") or {}).get("api_key_env"))]
+    if not open_apps:
+        return None
+    return (f"WARNING: serving on {host}, beyond this machine's loopback interface, and application(s) "
+            f"{open_apps} have no API key: anyone who can reach port {raw['http_options'].get('port', 8000)} "
+            f"can use the API. Set args.api_key_env in the Serve config (the name of an environment variable "
+            f"holding the key), or bind {DEFAULT_HOST} (the default: leave out --host / http_options.host).")
 
 
 def cpus_needed(raw: dict[str, Any]) -> int:
@@ -167,7 +197,7 @@ def failure_message(app: Any) -> str:
 
 def urls(raw: dict[str, Any]) -> list[str]:
     http = raw.get("http_options") or {}
-    host = http.get("host", "0.0.0.0")
+    host = http.get("host", DEFAULT_HOST)
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
     out = []
     for app in raw.get("applications", []):
@@ -208,6 +238,9 @@ def serve_config(config: str | Path = DEFAULT_CONFIG, artifacts: str | Path | No
                  port: int | None = None, num_cpus: int | None = None, dashboard: bool = False) -> int:
     t0 = time.monotonic()
     raw = prepare_config(config, artifacts, host, port)
+    warning = exposure_warning(raw)
+    if warning:
+        print(f"kvserve: {warning}", file=sys.stderr, flush=True)
     started = False
     try:
         start(raw, num_cpus=num_cpus, dashboard=dashboard)

@@ -9,7 +9,9 @@ them, and the aggregation behind the ingress's `/metrics`.
 - `aggregate_exposition` turns the Ray nodes' expositions into one exposition for the whole app: the
   `ray_` prefix dropped and samples summed over replicas, workers and nodes, keeping only bounded labels.
   With 2 replicas and N requests, `kvserve_requests_total` sums to N, whichever replica the scrape hits.
-- `scrape_ray_nodes` fetches every alive node's metrics endpoint (from inside the cluster).
+- `RayNodeScraper` fetches every alive node's metrics endpoint (from inside the cluster) without blocking
+  the event loop; the ingress caches the aggregate for about a second, single flight (serving/server/ingress.py,
+  serving/server/cached.py).
 
 Not here: what to record when (serving/server/service.py, serving/server/api.py) or the HTTP route (serving/server/api.py).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
@@ -156,7 +159,7 @@ def aggregate_exposition(texts: Iterable[str]) -> str:
     """
     sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = defaultdict(lambda: defaultdict(float))
     for text in texts:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(_kvserve_lines(text)):
             base = _kvserve_name(family.name)
             if base is None:
                 continue
@@ -170,6 +173,17 @@ def aggregate_exposition(texts: Iterable[str]) -> str:
     registry = CollectorRegistry()
     registry.register(_StaticCollector(_families(sums)))
     return generate_latest(registry).decode()
+
+
+def _kvserve_lines(text: str) -> str:
+    """Only the kvserve lines of an exposition (samples, HELP and TYPE): a Ray node exports thousands of lines
+    of Ray's own metrics, and prometheus_client's parser is pure Python (it would spend most of its time there)."""
+    keep = []
+    for line in text.splitlines():
+        name = (line.split(" ", 3)[2:3] or [""])[0] if line.startswith("#") else line
+        if name.startswith(PREFIX) or name.startswith(RAY_PREFIX + PREFIX):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
 
 
 def _families(sums: dict[str, dict[tuple[str, tuple], float]]) -> list[Metric]:
@@ -200,19 +214,32 @@ class _StaticCollector:
         return self.families
 
 
-async def scrape_ray_nodes(timeout_s: float = 3.0) -> list[str]:
-    """The metrics text of every alive Ray node (each node's agent exports all of its workers)."""
-    import httpx
-    import ray
+class RayNodeScraper:
+    """`await texts()`: the metrics text of every alive Ray node (each node's agent exports all of its workers),
+    with nothing on the event loop: Ray's node table and each node's exposition (megabytes of Ray's own
+    metrics, which parsing HTTP in pure Python would spend the loop's time on) are read in worker threads."""
 
-    targets = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
-               for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        results = await asyncio.gather(*(client.get(url) for url in targets), return_exceptions=True)
-    texts = []
-    for url, r in zip(targets, results):
-        if isinstance(r, BaseException) or r.status_code != 200:
-            log.warning("metrics scrape of %s failed: %s", url, r)
-            continue
-        texts.append(r.text)
-    return texts
+    def __init__(self, timeout_s: float = 3.0) -> None:
+        self.timeout_s = timeout_s
+        # No proxy from the environment: the nodes are reached directly, inside the cluster.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def _get(self, url: str) -> str:
+        with self._opener.open(url, timeout=self.timeout_s) as r:  # raises for a status other than 2xx
+            return r.read().decode("utf-8", "replace")
+
+    async def texts(self) -> list[str]:
+        import ray
+
+        nodes = await asyncio.to_thread(ray.nodes)  # a blocking call to the GCS
+        targets = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+                   for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
+        results = await asyncio.gather(*(asyncio.to_thread(self._get, url) for url in targets),
+                                       return_exceptions=True)
+        texts = []
+        for url, r in zip(targets, results):
+            if isinstance(r, BaseException):
+                log.warning("metrics scrape of %s failed: %r", url, r)
+                continue
+            texts.append(r)
+        return texts

@@ -3,7 +3,8 @@
 `ModelDeployment` is a thin shim: it builds the Engine (serving/engine/) from the bundle and a ModelService
 (serving/server/service.py) around it, warms the engine up before the replica takes traffic, applies the
 batching knobs live in `reconfigure(user_config)` (the engine's own batching modes: continuous, request-level
-or none), polls engine gauges, fails its health check when the engine is dead, and drains in-flight requests
+or none), polls engine gauges, fails its health check when the engine is dead (steps kept failing, or one hung
+past the engine's `step_timeout_s` watchdog: Ray then replaces the replica), and drains in-flight requests
 on shutdown. Errors the client caused come back as values (see `complete`).
 
 Does not own: HTTP (serving/server/ingress.py, api.py), the engine, the text <-> token work (service.py).
@@ -26,7 +27,8 @@ from serving.engine.types import GenerationRequest, SamplingParams
 from serving.server.config import Limits, ModelSpec, engine_config
 from serving.server.errors import ServiceError
 from serving.server.metrics import Recorder
-from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult
+from serving.server.chunks import coalesce
+from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
 
 log = logging.getLogger("ray.serve")
 GAUGE_PERIOD_S = 0.25  # an idle engine's gauges (slots in use) reach /metrics within one export period
@@ -72,10 +74,11 @@ class ModelDeployment:
         except ServiceError as e:
             return e
 
-    async def stream(self, req: TextRequest) -> AsyncIterator[StreamPiece | TextResult | ServiceError]:
+    async def stream(self, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult] | ServiceError]:
+        """The request's pieces in chunks (serving/server/chunks.py): one Ray item per chunk, not per token."""
         try:
-            async for item in self.service.stream(req):
-                yield item
+            async for chunk in coalesce(self.service.stream(req), self.spec.stream_interval_s, is_final=is_result):
+                yield chunk
         except ServiceError as e:
             yield e
 
@@ -95,8 +98,10 @@ class ModelDeployment:
             await asyncio.sleep(GAUGE_PERIOD_S)
 
     async def check_health(self) -> None:
-        if self.engine.snapshot().get("dead"):
-            raise RuntimeError(f"model {self.spec.name}: the engine's step loop died; restart the replica")
+        snap = self.engine.snapshot()
+        if snap.get("dead"):
+            raise RuntimeError(f"model {self.spec.name}: the engine is dead ({snap.get('dead_reason')}); "
+                               f"Serve replaces this replica")
 
     async def __del__(self) -> None:
         """Serve waits (graceful_shutdown_*) for ongoing requests first; then the engine drains and stops."""

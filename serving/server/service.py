@@ -56,6 +56,11 @@ class StreamPiece:
     index: int
 
 
+def is_result(item: object) -> bool:
+    """Whether a streamed item is the request's last one (its TextResult)."""
+    return isinstance(item, TextResult)
+
+
 class EngineLike(Protocol):
     is_encoder_decoder: bool
 

@@ -2,8 +2,10 @@
 
 Owns the event shapes: kvserve's `/v1/generate` stream (`{"token", "index"}` per token, then one final
 `{"finish_reason", "usage", "timings", "text"}`), and OpenAI's `/v1/completions` stream (text_completion
-chunks, an optional usage chunk, then `[DONE]`). Errors before the first token never reach here: the
-route awaits the first item (`start_stream`) so they still become an HTTP status; an error after it
+chunks, an optional usage chunk, then `[DONE]`). The model streams its items in chunks (serving/server/
+chunks.py); the events of one chunk are written together, still one event per token. Errors before the
+first token never reach here: the route awaits the first chunk (`start_stream`) so they still become an
+HTTP status; an error after it
 becomes an `{"error": ...}` event, the body of an HTTP error (serving/server/errors.py's `error_body`).
 Closing the stream (client gone) closes the model's stream, which cancels the engine request. The engine
 ends a request at its deadline; as a backstop (a model replica that stopped answering), waiting for any
@@ -23,11 +25,12 @@ from serving.server.service import StreamPiece, TextResult
 
 log = logging.getLogger(__name__)
 Item = StreamPiece | TextResult
+Chunk = list[Item]  # what the model sends at once: pieces, and last the TextResult
 DEADLINE_GRACE_S = 2.0  # the engine enforces the deadline; this backstop only catches a stuck call
 
 
-async def next_item(stream: AsyncIterator[Item], deadline_wall: float | None) -> Item:
-    """The stream's next item; a ServiceError(DEADLINE) if it has not come DEADLINE_GRACE_S past the deadline."""
+async def next_chunk(stream: AsyncIterator[Chunk], deadline_wall: float | None) -> Chunk:
+    """The stream's next chunk; a ServiceError(DEADLINE) if it has not come DEADLINE_GRACE_S past the deadline."""
     if deadline_wall is None:
         return await stream.__anext__()
     timeout = max(0.001, deadline_wall - time.time() + DEADLINE_GRACE_S)
@@ -37,11 +40,11 @@ async def next_item(stream: AsyncIterator[Item], deadline_wall: float | None) ->
         raise ServiceError(ErrorKind.DEADLINE, "the model did not answer within the request's deadline") from None
 
 
-async def start_stream(stream: AsyncIterator[Item], deadline_wall: float | None = None
-                       ) -> tuple[Item | None, AsyncIterator[Item]]:
-    """Await the first item, so that a refusal (429, 413, ...) is still an HTTP status, not an event."""
+async def start_stream(stream: AsyncIterator[Chunk], deadline_wall: float | None = None
+                       ) -> tuple[Chunk | None, AsyncIterator[Chunk]]:
+    """Await the first chunk, so that a refusal (429, 413, ...) is still an HTTP status, not an event."""
     try:
-        return await next_item(stream, deadline_wall), stream
+        return await next_chunk(stream, deadline_wall), stream
     except StopAsyncIteration:
         return None, stream
     except BaseException:
@@ -49,21 +52,21 @@ async def start_stream(stream: AsyncIterator[Item], deadline_wall: float | None 
         raise
 
 
-async def _items(first: Item | None, rest: AsyncIterator[Item], deadline_wall: float | None
-                 ) -> AsyncIterator[Item]:
+async def _chunks(first: Chunk | None, rest: AsyncIterator[Chunk], deadline_wall: float | None
+                  ) -> AsyncIterator[Chunk]:
     item = first
     try:
         while item is not None:
             yield item
             try:
-                item = await next_item(rest, deadline_wall)
+                item = await next_chunk(rest, deadline_wall)
             except StopAsyncIteration:
                 item = None
     finally:
         await _close(rest)
 
 
-async def _close(stream: AsyncIterator[Item]) -> None:
+async def _close(stream: AsyncIterator[Chunk]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         try:
@@ -89,36 +92,42 @@ def usage_of(r: TextResult) -> dict:
             "total_tokens": r.prompt_tokens + r.completion_tokens}
 
 
-async def generate_events(first: Item | None, rest: AsyncIterator[Item], started: float,
-                          deadline_wall: float | None = None) -> AsyncIterator[dict]:
+async def generate_events(first: Chunk | None, rest: AsyncIterator[Chunk], started: float,
+                          deadline_wall: float | None = None) -> AsyncIterator[list[dict]]:
+    """The events of each chunk, as one list per chunk."""
+    def event(item: Item) -> dict | None:
+        if isinstance(item, StreamPiece):
+            return {"token": item.text, "index": item.index} if item.text else None
+        return {"finish_reason": item.finish_reason, "usage": usage_of(item), "text": item.text,
+                "timings": {"queue_s": item.queue_s, "ttft_s": item.ttft_s, "total_s": time.monotonic() - started}}
     try:
-        async for item in _items(first, rest, deadline_wall):
-            if isinstance(item, StreamPiece):
-                if item.text:
-                    yield {"token": item.text, "index": item.index}
-                continue
-            yield {"finish_reason": item.finish_reason, "usage": usage_of(item), "text": item.text,
-                   "timings": {"queue_s": item.queue_s, "ttft_s": item.ttft_s,
-                               "total_s": time.monotonic() - started}}
+        async for chunk in _chunks(first, rest, deadline_wall):
+            events = [ev for ev in map(event, chunk) if ev is not None]
+            if events:
+                yield events
     except Exception as e:
-        yield _error_event(e)
+        yield [_error_event(e)]
 
 
-async def completion_events(first: Item | None, rest: AsyncIterator[Item], cid: str, created: int, model: str,
-                            include_usage: bool, deadline_wall: float | None = None) -> AsyncIterator[dict | str]:
-    def chunk(text: str, finish: str | None) -> dict[str, Any]:
+async def completion_events(first: Chunk | None, rest: AsyncIterator[Chunk], cid: str, created: int, model: str,
+                            include_usage: bool, deadline_wall: float | None = None
+                            ) -> AsyncIterator[list[dict | str]]:
+    """OpenAI's chunks for each of the model's chunks, as one list per model chunk; `[DONE]` last."""
+    def completion(text: str, finish: str | None) -> dict[str, Any]:
         return {"id": cid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+    def events(item: Item) -> list[dict | str]:
+        if isinstance(item, StreamPiece):
+            return [completion(item.text, None)] if item.text else []
+        usage = [{"id": cid, "object": "text_completion", "created": created, "model": model,
+                  "choices": [], "usage": usage_of(item)}] if include_usage else []
+        return [completion("", openai_finish(item.finish_reason)), *usage]
     try:
-        async for item in _items(first, rest, deadline_wall):
-            if isinstance(item, StreamPiece):
-                if item.text:
-                    yield chunk(item.text, None)
-                continue
-            yield chunk("", openai_finish(item.finish_reason))
-            if include_usage:
-                yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage_of(item)}
+        async for chunk in _chunks(first, rest, deadline_wall):
+            out = [ev for item in chunk for ev in events(item)]
+            if out:
+                yield out
     except Exception as e:
-        yield _error_event(e)
-    yield "[DONE]"
+        yield [_error_event(e)]
+    yield ["[DONE]"]

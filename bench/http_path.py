@@ -1,0 +1,165 @@
+"""Where the CPU of the HTTP path goes: tokens/s through HTTP vs the engine in-process, per process.
+
+    python -m bench.http_path [--bundle artifacts/bundles/generate] [--seconds 12] [--stream-interval 0,0.05]
+
+For each `stream_interval_s` (serving/server/config.py ModelSpec) it starts the bench's Ray Serve app
+(bench/http.py: the shipped config reduced to the generate model, continuous batching, 32 KV slots, 1 ORT
+thread), drives it with 32 closed-loop clients of the load tester (64 tokens per request, sampled) twice:
+streaming /v1/generate and non-streaming /v1/completions, and samples the CPU time of each process while
+it runs: the Ray proxy, the ingress replica, the model replica, Ray's own daemons and the load generator
+(this process). Then the same engine runs in-process (bench/engine.py, 32 clients, same slots and threads):
+the ratio HTTP / in-process is what the HTTP path keeps of the engine's speed.
+
+Does not measure: more than one replica or node, translation, or latency percentiles beyond TTFT p99 (the
+load tester's report has them). Everything shares this machine's cores, the load generator included; its
+own CPU is reported beside the server's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.http import BenchServer, HttpPlan
+from loadtest.config import LoadConfig, Workload
+from loadtest.runner import run_load
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENTS, TOKENS = 32, 64
+# Process roles by what Ray puts in the process title / command line.
+ROLES = (("ServeReplica:kvserve:ingress", "ingress"), ("ServeReplica:kvserve:generate", "replica"),
+         ("ProxyActor", "proxy"), ("ServeController", "controller"), ("gcs_server", "gcs"), ("raylet", "raylet"))
+RUNS = (("streaming /v1/generate", Workload.GENERATE, True), ("non-streaming /v1/completions", Workload.COMPLETIONS, False))
+
+
+def _role(p: psutil.Process) -> str | None:
+    try:
+        text = p.name() + " " + " ".join(p.cmdline())
+    except psutil.Error:
+        return None
+    return next((role for key, role in ROLES if key in text), None)
+
+
+class CpuShares:
+    """CPU seconds per second of wall time, per process role, between `start` and `stop`."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, list[psutil.Process]] = {}
+        for p in psutil.process_iter():
+            role = _role(p)
+            if role:
+                self.procs.setdefault(role, []).append(p)
+        self.procs["load generator"] = [psutil.Process()]
+
+    def _cpu(self) -> dict[str, float]:
+        out = {}
+        for role, procs in self.procs.items():
+            total = 0.0
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+            out[role] = total
+        return out
+
+    def start(self) -> None:
+        self.t0, self.c0 = time.monotonic(), self._cpu()
+
+    def stop(self) -> dict[str, float]:
+        dt, c1 = time.monotonic() - self.t0, self._cpu()
+        return {role: round((c1[role] - self.c0[role]) / dt, 3) for role in c1}
+
+
+def _load(url: str, workload: Workload, stream: bool, seconds: float, data_dir: Path) -> Any:
+    cfg = LoadConfig(url, workload=workload, concurrency=CLIENTS, duration_s=seconds, warmup_s=min(2.0, seconds / 4),
+                     seed=0, max_tokens=TOKENS, min_tokens=TOKENS, stream=stream, temperature=1.0,
+                     data_dir=data_dir, timeout_s=60, scrape_metrics=False)
+    return asyncio.run(run_load(cfg))
+
+
+def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, work: Path) -> list[dict[str, Any]]:
+    """Both runs against one server whose generate model streams with `interval_s`."""
+    import bench.http as bench_http
+
+    shipped_config = bench_http.bench_serve_config
+
+    def with_interval(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        raw = shipped_config(*args, **kwargs)
+        for spec in raw["applications"][0]["args"]["models"]:
+            spec["stream_interval_s"] = interval_s
+        return raw
+    bench_http.bench_serve_config = with_interval
+    plan = HttpPlan(concurrency=CLIENTS, slots=CLIENTS, threads=1)
+    out = []
+    try:
+        with BenchServer(ROOT / "deploy" / "serve_config.yaml", bundle, plan, work) as server:
+            for name, workload, stream in RUNS:
+                _load(server.url, workload, stream, 3.0, data_dir)  # warm-up
+                shares = CpuShares()
+                shares.start()
+                report = _load(server.url, workload, stream, seconds, data_dir)
+                cpu = shares.stop()
+                ttft = report.latency.get("ttft") or {}
+                out.append({"run": name, "stream_interval_s": interval_s,
+                            "tokens_per_s": report.throughput["output_tokens_per_s"],
+                            "ttft_p99_s": ttft.get("p99") if isinstance(ttft, dict) else None,
+                            "succeeded": report.totals["succeeded"], "errors": report.errors, "cpu": cpu})
+                print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    finally:
+        bench_http.bench_serve_config = shipped_config
+    return out
+
+
+def inprocess_tokens_per_s(bundle: Path, work: Path) -> float:
+    """The engine alone, in this process (bench/engine.py): 32 clients, 32 slots, 1 thread, 64 tokens each."""
+    import bench.engine as bench_engine
+
+    out = work / "engine.json"
+    bench_engine.main([str(bundle), "--concurrency", str(CLIENTS), "--modes", "continuous", "--rounds", "2",
+                       "--min-new", str(TOKENS), "--max-new", str(TOKENS), "--slots", str(CLIENTS),
+                       "--threads", "1", "--out", str(out)])
+    return float(json.loads(out.read_text())["summary"][0]["busy_tokens_per_s"])  # steady state, as bench.engine reports
+
+
+def markdown(result: dict[str, Any]) -> str:
+    roles = ["proxy", "ingress", "replica", "load generator", "controller", "gcs", "raylet"]
+    lines = [f"In-process engine (32 clients): **{result['inprocess_tokens_per_s']:.0f} tok/s**.", "",
+             "| run | stream_interval_s | tok/s | HTTP / in-process | TTFT p99 (s) | "
+             + " | ".join(f"CPU {r}" for r in roles) + " |",
+             "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in roles) + " |"]
+    for r in result["runs"]:
+        ttft = f"{r['ttft_p99_s']:.3f}" if r["ttft_p99_s"] is not None else "-"
+        lines.append(f"| {r['run']} | {r['stream_interval_s']:g} | {r['tokens_per_s']:.0f} | "
+                     f"{r['tokens_per_s'] / result['inprocess_tokens_per_s']:.2f} | {ttft} | "
+                     + " | ".join(f"{r['cpu'].get(role, 0.0):.2f}" for role in roles) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.http_path", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", type=Path, default=ROOT / "artifacts" / "bundles" / "generate")
+    p.add_argument("--data-dir", type=Path, default=ROOT / "artifacts" / "data")
+    p.add_argument("--seconds", type=float, default=12.0, help="measured phase of each run")
+    p.add_argument("--stream-interval", default="0", help="comma-separated stream_interval_s values to compare")
+    p.add_argument("--out", type=Path, default=Path("artifacts/bench/http_path.json"))
+    args = p.parse_args(argv)
+    work = args.out.parent / "http_path_work"
+    work.mkdir(parents=True, exist_ok=True)
+    runs = [r for s in args.stream_interval.split(",")
+            for r in http_runs(args.bundle, args.data_dir, float(s), args.seconds, work)]
+    result = {"runs": runs, "inprocess_tokens_per_s": inprocess_tokens_per_s(args.bundle, work)}
+    args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Safe by default (serving/server/launch.py, kvserve serve / kvserve up / make serve): the API binds 127.0.0.1
+unless the config or `--host` says otherwise, and serving beyond loopback without an API key warns at start.
+Slow: on the shared cluster, deployed from deploy/serve_config.yaml without a host override, the API answers
+on 127.0.0.1 and not on this machine's other address.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from serving.server import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "deploy" / "serve_config.yaml"
+
+
+@pytest.fixture
+def art(tmp_path) -> Path:
+    """An artifacts directory whose bundles have a manifest (all prepare_config checks)."""
+    for task in ("translate", "generate"):
+        (tmp_path / "bundles" / task).mkdir(parents=True)
+        (tmp_path / "bundles" / task / "manifest.json").write_text(json.dumps({"task": task}))
+    return tmp_path
+
+
+def test_the_shipped_config_binds_loopback_unless_told_otherwise(art, tmp_path):
+    raw = launch.prepare_config(CONFIG, artifacts=art)
+    assert raw["http_options"]["host"] == "127.0.0.1"
+    assert all(u.startswith("http://127.0.0.1:8000/") for u in launch.urls(raw))
+    assert launch.prepare_config(CONFIG, artifacts=art, host="0.0.0.0")["http_options"]["host"] == "0.0.0.0"
+    cfg = yaml.safe_load(CONFIG.read_text())
+    del cfg["http_options"]["host"]  # a config that names no host gets loopback too
+    (tmp_path / "nohost.yaml").write_text(yaml.safe_dump(cfg))
+    assert launch.prepare_config(tmp_path / "nohost.yaml", artifacts=art)["http_options"]["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("host,args,warns", [
+    ("127.0.0.1", {}, False), ("127.0.0.2", {}, False), ("::1", {}, False), ("localhost", {}, False),
+    ("0.0.0.0", {}, True), ("::", {}, True), ("192.0.2.7", {}, True), ("myhost.example", {}, True),
+    ("0.0.0.0", {"api_key_env": "KVSERVE_KEY"}, False), ("0.0.0.0", {"api_key": "k"}, False),
+])
+def test_serving_beyond_loopback_without_a_key_warns(host, args, warns):
+    raw = {"http_options": {"host": host, "port": 8000}, "applications": [
+        {"name": "kvserve", "import_path": launch.IMPORT_PATH, "args": {"models": [], **args}}]}
+    warning = launch.exposure_warning(raw)
+    assert (warning is not None) == warns, warning
+    if warns:
+        assert host in warning and "no API key" in warning and "api_key_env" in warning and "127.0.0.1" in warning
+
+
+@pytest.mark.parametrize("host", [None, "0.0.0.0"])
+def test_kvserve_serve_prints_the_warning_at_start(art, monkeypatch, capsys, host):
+    started = []
+
+    def start(raw, **kw):  # stop right where Ray would start: the warning must already be out
+        started.append(raw["http_options"]["host"])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(launch, "start", start)
+    assert launch.serve_config(CONFIG, artifacts=art, host=host) == 0
+    err = capsys.readouterr().err
+    assert started == [host or "127.0.0.1"]
+    assert ("WARNING: serving on 0.0.0.0" in err) == (host is not None), err
+
+
+def test_kvserve_up_and_make_serve_pass_the_host_through(art, monkeypatch):
+    import model.data
+    from kvserve import cli, up
+
+    execs = []
+    monkeypatch.setattr(model.data, "is_prepared", lambda *a: True)
+    monkeypatch.setattr(up.os, "execv", lambda exe, argv: execs.append(argv))
+    assert cli.main(["up", "--artifacts", str(art)]) == 0
+    assert cli.main(["up", "--artifacts", str(art), "--host", "0.0.0.0"]) == 0
+    assert "--host" not in execs[0] and execs[1][-2:] == ["--host", "0.0.0.0"]
+    dry = {h: subprocess.run(["make", "-n", "serve", *h], cwd=ROOT, capture_output=True,
+                             text=True).stdout for h in ((), ("HOST=0.0.0.0",))}
+    assert "kvserve up --artifacts artifacts" in dry[()] and "--host" not in dry[()]
+    assert "--host 0.0.0.0" in dry[("HOST=0.0.0.0",)]
+
+
+# -- slow: the real cluster -------------------------------------------------------------------------------------
+def _other_address() -> str | None:
+    """This machine's first IPv4 address that is not loopback (None if it has none)."""
+    import psutil
+
+    return next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
+
+
+@pytest.mark.slow
+def test_the_deployed_default_config_answers_only_on_loopback(rel):
+    """tests/reliability_cluster.py deploys deploy/serve_config.yaml without touching http_options.host."""
+    port = rel.raw["http_options"]["port"]
+    assert rel.raw["http_options"]["host"] == "127.0.0.1"
+    assert httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=10).status_code == 200
+    other = _other_address()
+    if other is None:
+        pytest.skip("this machine has no address beyond loopback")
+    with pytest.raises(OSError):
+        socket.create_connection((other, port), timeout=5).close()
