@@ -121,14 +121,14 @@ def _tiny_bundles(root: Path) -> Path:
     return root
 
 
-def _exercise(base: str) -> None:
+def _exercise(base: str, api_key: str) -> None:
     """Traffic that records every kvserve metric: answers, a stream, a 422, a stop string (a cancellation,
     reason stop_string) and engine rejections (429: `generate` has one KV slot and no waiting room)."""
     import concurrent.futures as cf
 
     import httpx
 
-    with httpx.Client(base_url=base, timeout=60) as client:
+    with httpx.Client(base_url=base, timeout=60, headers={"Authorization": f"Bearer {api_key}"}) as client:
         for _ in range(3):
             assert client.post("/v1/translate", json={"text": "the dog", "max_tokens": 8}).status_code == 200
         assert client.post("/v1/generate", json={"prompt": "x", "top_p": 2}).status_code == 422
@@ -163,9 +163,11 @@ def _labels_used(expr: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path) -> None:
+def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path, monkeypatch) -> None:
     """Serve the CPU image's config (generated, autoscaling included) on tiny bundles with a real local
     Ray, send traffic, and read the metric names off the node's metrics port, as the PodMonitor does."""
+    import secrets
+
     import ray
 
     from serving.server.launch import prepare_config, start, stop
@@ -174,6 +176,8 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path) -> None:
     cfg = gen.image_serve_config(gen.load_serve_config(), gen.Variant.CPU)
     app = cfg["applications"][0]
     app["args"]["artifacts_dir"] = str(_tiny_bundles(tmp_path / "models"))
+    api_key = secrets.token_urlsafe(16)  # the image's config reads its key from this variable (a Secret in a pod)
+    monkeypatch.setenv(app["args"]["api_key_env"], api_key)  # set before Ray starts: its workers inherit it
     generate = next(m for m in app["args"]["models"] if m["name"] == "generate")
     generate["engine"]["max_slots"] = 1  # so that a second request is rejected (see _exercise)
     next(d for d in app["deployments"] if d["name"] == "generate")["user_config"]["max_waiting"] = 0
@@ -185,7 +189,7 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path) -> None:
              _system_config={"metrics_report_interval_ms": 1000})
     try:
         start(raw, timeout_s=300)
-        _exercise(f"http://127.0.0.1:{raw['http_options']['port']}")
+        _exercise(f"http://127.0.0.1:{raw['http_options']['port']}", api_key)
         wanted, seen, deadline = dashboard_metric_names(), {}, time.monotonic() + 90
         while time.monotonic() < deadline and not wanted <= seen.keys():
             seen = _scrape_labels(metrics_port)
