@@ -61,10 +61,13 @@ def wait_metric(client: httpx.Client, name: str, want: float, timeout_s: float =
 
 
 def settled_metrics(client: httpx.Client) -> str:
-    """/metrics once Ray's exporters have caught up with earlier tests (two equal reads in a row)."""
+    """/metrics once Ray's exporters have caught up with earlier tests: two equal reads in a row, further apart
+    than the ingress may serve one cached scrape (serving/server/ingress.py), so equal means settled."""
+    from serving.server.ingress import METRICS_STALE_S, METRICS_TTL_S
+
     text = client.get("/metrics").text
     for _ in range(20):
-        time.sleep(1.5)
+        time.sleep(1.5 + METRICS_TTL_S + METRICS_STALE_S)
         again = client.get("/metrics").text
         if again == text:
             return text
