@@ -29,7 +29,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from serving.server.stream import DEADLINE_GRACE_S, completion_events, generate_events, openai_finish, start_stream
-from serving.server.asgi import app_path
+from serving.server.asgi import is_api_request
 from serving.server.auth import BearerAuth, key_sha256, open_paths
 from serving.server.config import Limits
 from serving.server.drain import DRAINING_MESSAGE, RETRY_AFTER_S, Drain, DrainGate
@@ -302,7 +302,7 @@ class RequestMetrics:
         self.app, self.recorder = app, recorder
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not app_path(scope).startswith("/v1/"):
+        if not is_api_request(scope):
             return await self.app(scope, receive, send)
         started, status = time.monotonic(), "499"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import Enum
 
-from serving.server.asgi import app_path
+from serving.server.asgi import is_api_request
 from serving.server.errors import ErrorKind, error_response
 
 RETRY_AFTER_S = 1
@@ -57,7 +57,7 @@ class DrainGate:
         self.app, self.drain = app, drain
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not app_path(scope).startswith("/v1/"):
+        if not is_api_request(scope):
             return await self.app(scope, receive, send)
         if self.drain.draining:
             response = error_response(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE, retry_after_s=RETRY_AFTER_S)
