@@ -2,7 +2,8 @@
 
     BUNDLE/manifest.json   format version, task, model config, tokenizer + special ids, each graph's
                            input/output contract, opset, variant, sha256 of every file, source checkpoint
-                           hash, parity figures measured at export
+                           hash, parity figures measured at export, the bundle's `version` (a hash of its
+                           content: the same weights exported twice have the same version) and `created`
     BUNDLE/tokenizer.json
     BUNDLE/encoder.onnx    (translation only)
     BUNDLE/decoder.onnx
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -83,6 +85,17 @@ class Bundle:
     tokenizer_path: Path
 
     @property
+    def version(self) -> str:
+        """The bundle's content version (`content_version`), checked against the manifest's when it has one."""
+        return str(self.manifest["version"])
+
+    @property
+    def created(self) -> int:
+        """When the bundle was written (Unix seconds): the manifest's `created`, else manifest.json's mtime."""
+        created = self.manifest.get("created")
+        return int(created) if created is not None else int((self.dir / MANIFEST_FILE).stat().st_mtime)
+
+    @property
     def config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.model_config)
 
@@ -105,8 +118,16 @@ class Bundle:
         return data
 
 
+def content_version(doc: dict[str, Any]) -> str:
+    """A bundle's version: 12 hex digits of a hash over what it serves (task, variant, model config and the
+    sha256 of every file). Re-exporting the same weights gives the same version; any other change, a new one."""
+    served = {k: doc.get(k) for k in ("task", "variant", "model_config", "files")}
+    return hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def write_manifest(bundle_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file of the bundle into manifest["files"] and write manifest.json (atomically)."""
+    """Hash every file of the bundle into manifest["files"], add its `version` and `created` time, and write
+    manifest.json (atomically)."""
     files = {}
     for p in sorted(bundle_dir.iterdir()):
         if p.name == MANIFEST_FILE or p.name.endswith(".tmp"):
@@ -115,6 +136,7 @@ def write_manifest(bundle_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]
             raise BundleError(f"bundle {bundle_dir} holds {p.name}, which is not a plain file")
         files[p.name] = sha256_file(p)
     doc = {"format_version": FORMAT_VERSION, **manifest, "files": files}
+    doc["version"], doc["created"] = content_version(doc), int(time.time())
     tmp = bundle_dir / (MANIFEST_FILE + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, bundle_dir / MANIFEST_FILE)
@@ -188,6 +210,10 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
     if tok.get("file") not in doc["files"]:
         raise BundleError(f"bundle {bundle_dir}: tokenizer file {tok.get('file')!r} is not listed in "
                           f"{MANIFEST_FILE}")
+    version = content_version(doc)
+    if doc.setdefault("version", version) != version:
+        raise BundleError(f"bundle {bundle_dir}/{MANIFEST_FILE} says version {doc['version']!r}, but its content "
+                          f"hashes to {version!r}: the manifest was edited; re-export the bundle")
     return Bundle(dir=bundle_dir, manifest=doc, model_config=doc["model_config"], task=task, variant=variant,
                   special_ids=dict(tok["special_ids"]), paths=paths, tokenizer_path=bundle_dir / tok["file"])
 

@@ -49,8 +49,10 @@ class InProcessServer:
             engine = Engine.from_bundle(bundle, engine_config(spec, BatchingKnobs(max_waiting=8), self.limits))
             await engine.start()
             self.engines[name] = engine
-            tok = Tokenizer.load(load_bundle(bundle).tokenizer_path)
-            services[name] = ModelService(name, engine, tok, self.limits.max_prompt_tokens, recorder)
+            loaded = load_bundle(bundle)
+            tok = Tokenizer.load(loaded.tokenizer_path)
+            services[name] = ModelService(name, engine, tok, self.limits.max_prompt_tokens, recorder,
+                                          version=loaded.version)
         self.app = create_app(LocalBackend(services, recorder), self.limits, recorder, self.api_key,
                               metrics_require_key=self.metrics_require_key)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://test",

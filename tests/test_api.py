@@ -27,10 +27,12 @@ from serving.server.metrics import Recorder, aggregate_exposition
 from serving.server.chunks import coalesce
 from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
 from serving.server.stops import StopMatcher
+from serving.server.versions import ServedVersion
 from serving.engine.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLY = "hello world, goodbye world. STOP here"
+VERSIONS = {"translate": "0f1e2d3c4b5a", "generate": "a1b2c3d4e5f6"}  # what make_client's models say they are
 
 
 class LocalBackend:
@@ -41,6 +43,9 @@ class LocalBackend:
 
     def model_tasks(self) -> dict[str, str]:
         return {n: s.task for n, s in self.services.items()}
+
+    async def model_versions(self) -> list[ServedVersion]:
+        return [ServedVersion(n, n, s.version, 0, 100.0) for n, s in self.services.items()]
 
     async def complete(self, model: str, req: TextRequest) -> TextResult:
         return await self.services[model].complete(req)
@@ -69,7 +74,8 @@ def make_client(tok, limits: Limits | None = None, api_key: str | None = None, r
     engines = {"translate": FakeEngine(tok, REPLY, encoder_decoder=True, **engine_kw),
                "generate": FakeEngine(tok, REPLY, **engine_kw)}
     limits = limits or Limits(max_prompt_tokens=40, max_tokens=48, default_max_tokens=32)
-    services = {n: ModelService(n, e, tok, limits.max_prompt_tokens, recorder) for n, e in engines.items()}
+    services = {n: ModelService(n, e, tok, limits.max_prompt_tokens, recorder, version=VERSIONS[n])
+                for n, e in engines.items()}
     app = create_app(LocalBackend(services, recorder), limits, recorder, api_key, drain)
     transport = httpx.ASGITransport(app=app, root_path=root_path)
     client = httpx.AsyncClient(transport=transport, base_url="http://test" + root_path)
@@ -174,7 +180,8 @@ async def test_openai_client_completions_and_models(tok):
     client, _ = make_client(tok)
     oai = openai.AsyncOpenAI(api_key="unused", base_url="http://test/v1", http_client=client)
     models = await oai.models.list()
-    assert sorted(m.id for m in models.data) == ["generate", "translate"]
+    assert sorted(m.id for m in models.data) == ["generate", f"generate@{VERSIONS['generate']}", "translate",
+                                                  f"translate@{VERSIONS['translate']}"]
     c = await oai.completions.create(model="generate", prompt="hi", max_tokens=4, temperature=0)
     assert c.choices[0].text == tok.decode(tok.encode(REPLY)[:4]) and c.choices[0].finish_reason == "length"
     assert c.usage.completion_tokens == 4
@@ -217,10 +224,11 @@ async def test_metrics_count_requests_by_status(tok, root_path):
         await client.post("/v1/generate", json={"prompt": "x", "max_tokens": 2})
     await client.post("/v1/generate", json={"prompt": "x", "max_tokens": 0})
     text = (await client.get("/metrics")).text
-    assert 'kvserve_requests_total{endpoint="/v1/generate",model="generate",status="200"} 3.0' in text
-    assert 'kvserve_requests_total{endpoint="/v1/generate",model="none",status="422"} 1.0' in text
-    assert 'kvserve_generated_tokens_total{model="generate"} 6.0' in text
-    assert 'kvserve_request_duration_seconds_count{endpoint="/v1/generate",model="generate"} 3.0' in text
+    v = VERSIONS["generate"]
+    assert f'kvserve_requests_total{{endpoint="/v1/generate",model="generate",status="200",version="{v}"}} 3.0' in text
+    assert 'kvserve_requests_total{endpoint="/v1/generate",model="none",status="422",version="none"} 1.0' in text
+    assert f'kvserve_generated_tokens_total{{model="generate",version="{v}"}} 6.0' in text
+    assert f'kvserve_request_duration_seconds_count{{endpoint="/v1/generate",model="generate",version="{v}"}} 3.0' in text
     _promtool_clean(text)
 
 
@@ -327,7 +335,7 @@ def test_promtool_clean_on_every_declared_metric():
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
     r = Recorder("prometheus")
-    labels = {"model": "m", "endpoint": "/v1/generate", "status": "200", "reason": "queue_full"}
+    labels = {"model": "m", "version": "0123456789ab", "endpoint": "/v1/generate", "status": "200", "reason": "queue_full"}
     from serving.server.metrics import METRICS, Kind
     for d in METRICS.values():
         lab = {k: labels[k] for k in d.labels}

@@ -129,7 +129,7 @@ async def test_metrics_scrape_is_off_the_event_loop_single_flight_and_cached(mon
         return [{"Alive": True, "NodeManagerAddress": "127.0.0.1", "MetricsExportPort": port},
                 {"Alive": False, "NodeManagerAddress": "127.0.0.1", "MetricsExportPort": 1}]
     monkeypatch.setattr(ray, "nodes", nodes)
-    backend = ingress.RayBackend({}, {}, "kvserve")
+    backend = ingress.RayBackend({}, {}, {}, "kvserve")
     try:
         texts, gap = await _max_loop_gap(asyncio.gather(*(backend.metrics_text() for _ in range(50))))
         assert len(set(texts)) == 1 and node_calls == [1] and hits == [1], (node_calls, hits)

@@ -4,7 +4,9 @@ Routes: POST /v1/translate, POST /v1/generate (SSE with "stream": true), POST /v
 GET /v1/models (OpenAI-compatible), GET /v2/health/live, GET /v2/health/ready (every model can serve),
 GET /v2/models/{name}/ready (KServe v2: that model can serve), GET /metrics.
 
-Owns: building `SamplingParams` and `TextRequest`s from the bodies, the limits from the server's config
+Owns: building `SamplingParams` and `TextRequest`s from the bodies (a body's `model` may pin a version:
+`generate@3f2a9c0d1e2b`), the X-Model-Version header of every answer (the version of the replica that
+answered), the limits from the server's config
 (max_tokens, texts per request, beam size, stop strings; `BodyLimit` for the body's bytes), the response
 shapes, and per-request metrics (`RequestMetrics`). The app talks to models through a `Backend`
 (serving/server/ingress.py's Ray handles in production, in-process `ModelService`s in tests), so this
@@ -37,15 +39,19 @@ from serving.server.errors import ErrorKind, ServiceError, error_response, insta
 from serving.server.metrics import Recorder
 from serving.server.schemas import (CompletionRequest, GenerateRequest, GenerateResponse, TranslateRequest,
                              TranslateResponse)
-from serving.server.service import StreamPiece, TextRequest, TextResult
+from serving.server.service import StreamPiece, TextRequest, TextResult, answering_version
+from serving.server.versions import ServedVersion, split_model_name
 from serving.engine.types import SamplingParams
 
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+VERSION_HEADER = "X-Model-Version"  # the version(s) of the model that answered, on every /v1 answer
 
 
 class Backend(Protocol):
     def model_tasks(self) -> dict[str, str]: ...  # model name -> "translate" | "generate"
+    async def model_versions(self) -> list[ServedVersion]: ...  # every bundle served now, by model
+    # `complete` and `stream` pick the deployment by weight, or the one serving `req.version` (404 if none).
     async def complete(self, model: str, req: TextRequest) -> TextResult: ...
     # Pieces in chunks (serving/server/chunks.py), the TextResult last.
     def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]: ...
@@ -82,8 +88,8 @@ class _Routes:
         self.backend, self.limits, self.drain = backend, limits, drain
         self._gzipped: tuple[str | None, bytes] = (None, b"")  # (exposition, its gzip)
 
-    async def translate(self, body: TranslateRequest, request: Request) -> dict:
-        model = self._resolve(body.model, "translate", request)
+    async def translate(self, body: TranslateRequest, request: Request, response: Response) -> dict:
+        model, version = self._resolve(body.model, "translate", request)
         texts = [body.text] if isinstance(body.text, str) else body.text
         if len(texts) > self.limits.max_texts:
             raise ServiceError(ErrorKind.TOO_LARGE, f"text has {len(texts)} entries; the limit is "
@@ -96,30 +102,32 @@ class _Routes:
         params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), beam_size=body.beam_size,
                                 n_best=body.n_best or 1, length_penalty=body.length_penalty)
         deadline, started = self._deadline(), time.monotonic()
-        reqs = [TextRequest(t, params, deadline, field="text" if isinstance(body.text, str) else f"text[{i}]")
-                for i, t in enumerate(texts)]
+        reqs = [TextRequest(t, params, deadline, field="text" if isinstance(body.text, str) else f"text[{i}]",
+                            version=version) for i, t in enumerate(texts)]
         results = await _gather([self._complete(model, r) for r in reqs])
+        _name_versions(request, response, results)
         return {"model": model, "usage": _usage(results), "timings": _timings(results, started),
                 "translations": [_translation(r, body.n_best is not None) for r in results]}
 
-    async def generate(self, body: GenerateRequest, request: Request) -> Any:
-        model = self._resolve(body.model, "generate", request)
+    async def generate(self, body: GenerateRequest, request: Request, response: Response) -> Any:
+        model, version = self._resolve(body.model, "generate", request)
         stops = _stops(body.stop, self.limits)
         params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), temperature=body.temperature,
                                 top_k=body.top_k, top_p=body.top_p, repetition_penalty=body.repetition_penalty,
                                 seed=body.seed, stop_strings=stops, stop_token_ids=tuple(body.stop_token_ids or ()),
                                 ignore_eos=body.ignore_eos)
-        treq = TextRequest(body.prompt, params, self._deadline())
+        treq = TextRequest(body.prompt, params, self._deadline(), version=version)
         started = time.monotonic()
         if body.stream:
             first, rest = await start_stream(self.backend.stream(model, treq), treq.deadline_wall)
-            return _sse(generate_events(first, rest, started, treq.deadline_wall))
+            return _sse(generate_events(first, rest, started, treq.deadline_wall), _stream_version(request, first))
         r = await self._complete(model, treq)
+        _name_versions(request, response, [r])
         return {"model": model, "text": r.text, "finish_reason": r.finish_reason,
                 "usage": _usage([r]), "timings": _timings([r], started)}
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        model = self._resolve(body.model, None, request)
+    async def completions(self, body: CompletionRequest, request: Request, response: Response) -> Any:
+        model, version = self._resolve(body.model, None, request)
         params = SamplingParams(max_new_tokens=self._max_tokens(body.max_tokens), temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop_strings=_stops(body.stop, self.limits),
                                 stop_token_ids=tuple(body.stop_token_ids or ()))
@@ -129,19 +137,33 @@ class _Routes:
                                f"{self.limits.max_texts}", field="prompt")
         deadline, cid, created = self._deadline(), f"cmpl-{secrets.token_hex(12)}", int(time.time())
         if body.stream:
-            first, rest = await start_stream(self.backend.stream(model, TextRequest(prompts[0], params, deadline)),
-                                             deadline)
+            treq = TextRequest(prompts[0], params, deadline, version=version)
+            first, rest = await start_stream(self.backend.stream(model, treq), deadline)
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(completion_events(first, rest, cid, created, model, usage, deadline))
-        results = await _gather([self._complete(model, TextRequest(p, params, deadline)) for p in prompts])
+            return _sse(completion_events(first, rest, cid, created, model, usage, deadline),
+                        _stream_version(request, first))
+        results = await _gather([self._complete(model, TextRequest(p, params, deadline, version=version))
+                                 for p in prompts])
+        _name_versions(request, response, results)
         choices = [{"text": r.text, "index": i, "logprobs": None, "finish_reason": openai_finish(r.finish_reason)}
                    for i, r in enumerate(results)]
         return {"id": cid, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage(results)}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvserve",
-                                            "task": task} for name, task in self.backend.model_tasks().items()]}
+        """One entry per model (its stable version; `versions` lists every bundle served with its share of the
+        traffic), then one per served version, `model@version`, which a request may name to pin it."""
+        served = await self.backend.model_versions()
+        data = []
+        for name, task in self.backend.model_tasks().items():
+            mine = sorted((s for s in served if s.model == name), key=lambda s: -s.weight)
+            entry = {"id": name, "object": "model", "created": mine[0].created if mine else 0, "owned_by": "kvserve",
+                     "task": task, "version": mine[0].version if mine else None,
+                     "versions": [{"version": s.version, "created": s.created, "weight": s.weight} for s in mine]}
+            data.append(entry)
+            data += [{"id": f"{name}@{s.version}", "object": "model", "created": s.created, "owned_by": "kvserve",
+                      "task": task, "version": s.version, "parent": name} for s in mine]
+        return {"object": "list", "data": data}
 
     async def live(self) -> dict:
         return {"status": "live"}
@@ -180,8 +202,15 @@ class _Routes:
         return Response(self._gzipped[1], media_type=METRICS_TYPE, headers={**headers, "Content-Encoding": "gzip"})
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _resolve(self, name: str | None, task: str | None, request: Request) -> str:
-        tasks = self.backend.model_tasks()
+    def _resolve(self, name: str | None, task: str | None, request: Request) -> tuple[str, str | None]:
+        """(model, version or None) a request names: 'generate', 'generate@3f2a9c0d1e2b' or nothing (the task's
+        first model)."""
+        tasks, version = self.backend.model_tasks(), None
+        if name is not None:
+            name, version = split_model_name(name)
+            if version == "":
+                raise ServiceError(ErrorKind.INVALID, f"model {name + '@'!r} names no version; use 'model' or "
+                                   f"'model@VERSION' (GET /v1/models lists them)", field="model")
         if name is None:
             names = [n for n, t in tasks.items() if t == task]
             if not names:
@@ -194,7 +223,7 @@ class _Routes:
             raise ServiceError(ErrorKind.INVALID, f"model {name!r} is a {tasks[name]} model; this endpoint "
                                f"needs a {task} model", field="model")
         request.state.model = name
-        return name
+        return name, version
 
     def _max_tokens(self, asked: int | None) -> int:
         if asked is None:
@@ -214,6 +243,21 @@ class _Routes:
         except asyncio.TimeoutError:
             raise ServiceError(ErrorKind.DEADLINE, f"request passed its deadline of "
                                f"{self.limits.request_timeout_s:.0f}s") from None
+
+
+def _name_versions(request: Request, response: Response, results: list[TextResult]) -> None:
+    """X-Model-Version: the version that answered (several, comma-separated, if a rollout split the texts)."""
+    versions = ",".join(sorted({r.version for r in results if r.version}))
+    if versions:
+        response.headers[VERSION_HEADER] = request.state.version = versions
+
+
+def _stream_version(request: Request, first: list | None) -> dict[str, str]:
+    """The headers of a stream: the version its first chunk names."""
+    version = next((v for v in map(answering_version, first or []) if v), "")
+    if version:
+        request.state.version = version
+    return {VERSION_HEADER: version} if version else {}
 
 
 def _stops(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
@@ -256,14 +300,14 @@ def _translation(r: TextResult, with_n_best: bool) -> dict:
     return out
 
 
-def _sse(events: AsyncIterator[list[dict | str]]) -> StreamingResponse:
+def _sse(events: AsyncIterator[list[dict | str]], headers: dict[str, str] | None = None) -> StreamingResponse:
     """One write per list of events (a chunk of the model's stream), each event its own `data:` line."""
     async def lines() -> AsyncIterator[str]:
         async for chunk in events:
             yield "".join(f"data: {ev if isinstance(ev, str) else json.dumps(ev, ensure_ascii=False)}\n\n"
                           for ev in chunk)
     return StreamingResponse(lines(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 # -- ASGI middleware ----------------------------------------------------------------------------------
@@ -319,7 +363,8 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", "other")
-            model = scope.get("state", {}).get("model", "none")
-            self.recorder.inc("kvserve_requests_total", {"model": model, "endpoint": endpoint, "status": status})
-            self.recorder.observe("kvserve_request_duration_seconds", {"model": model, "endpoint": endpoint},
-                                  time.monotonic() - started)
+            state = scope.get("state", {})
+            labels = {"model": state.get("model", "none"), "version": state.get("version", "none"),
+                      "endpoint": endpoint}
+            self.recorder.inc("kvserve_requests_total", {**labels, "status": status})
+            self.recorder.observe("kvserve_request_duration_seconds", labels, time.monotonic() - started)

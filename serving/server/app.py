@@ -1,7 +1,8 @@
 """The Ray Serve application: `build_app(args)`, the Serve config's `import_path` (serving.server.app:build_app).
 
 It parses `AppArgs` (serving/server/config.py), checks every bundle exists, and binds the graph (`bind_app`): one
-`ModelDeployment` (replica.py) per model bundle plus the HTTP `Ingress` (ingress.py) that holds their handles.
+`ModelDeployment` (replica.py) per model bundle (a model's canary is a second deployment, `<model>-canary`) plus
+the HTTP `Ingress` (ingress.py) that holds their handles and each model's routes (deployment, weight).
 Deployment options (replicas, autoscaling, queue limits, actor options, user_config) come from the Serve
 config file, not from code.
 """
@@ -32,15 +33,21 @@ def build_app(args: dict[str, Any]) -> Any:
 
 def bind_app(parsed: AppArgs, model_deployment: Any = ModelDeployment) -> Any:
     """The application graph; tests pass a `model_deployment` that injects faults (tests/fault_app.py)."""
-    tasks, handles = {}, {}
+    tasks, handles, routes = {}, {}, {}
     limits = parsed.limits.model_dump(mode="json")
     for spec in parsed.models:
-        bundle_dir = parsed.bundle_dir(spec)
-        tasks[spec.name] = bundle_task(bundle_dir)
-        handles[spec.name] = model_deployment.options(name=spec.name).bind(
-            spec.model_dump(mode="json"), str(bundle_dir), limits)
+        routes[spec.name] = []
+        for deployment, bundle, weight in spec.deployments():  # the model's stable bundle, and its canary's
+            bundle_dir = parsed.bundle_dir(spec, bundle)
+            task = bundle_task(bundle_dir)
+            if tasks.setdefault(spec.name, task) != task:
+                raise ValueError(f"model {spec.name!r}: its canary bundle {bundle_dir} is a {task} model, its "
+                                 f"bundle a {tasks[spec.name]} one; a canary must serve the same task")
+            handles[deployment] = model_deployment.options(name=deployment).bind(
+                spec.model_dump(mode="json"), str(bundle_dir), limits)
+            routes[spec.name].append((deployment, weight))
     resolved = parsed.model_dump(mode="json")
     resolved["artifacts_dir"] = str(parsed.artifacts_dir.resolve())
     if parsed.api_key is not None:
         resolved["api_key"] = parsed.api_key.get_secret_value()
-    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(resolved, tasks, **handles)
+    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(resolved, tasks, routes, **handles)

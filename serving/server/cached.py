@@ -52,6 +52,10 @@ class Cached(Generic[T]):
             return self._value  # type: ignore[return-value]
         return await asyncio.shield(self._inflight)
 
+    def invalidate(self) -> None:
+        """The next `get` fetches anew (a caller that knows the value changed)."""
+        self._at = None
+
     async def _refresh(self) -> T:
         try:
             value = await self._fetch()

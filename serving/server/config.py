@@ -29,6 +29,7 @@ from serving.engine.types import BatchingMode
 
 MODEL_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 INGRESS_DEPLOYMENT = "ingress"
+CANARY_SUFFIX = "-canary"  # a model's canary deployment is named "<model>-canary"
 
 
 class _Strict(BaseModel):
@@ -72,11 +73,23 @@ class Limits(_Strict):
         return self.default_max_tokens if self.default_max_tokens is not None else min(128, self.max_tokens)
 
 
+class CanarySpec(_Strict):
+    """A second bundle of the same model served beside the first, with a share of the model's traffic."""
+    bundle: Path = Field(..., description="The canary's bundle directory (relative: under artifacts_dir).")
+    weight: float = Field(..., gt=0, lt=100, description=(
+        "Percent of the model's requests that go to the canary (the rest go to `bundle`); a request naming "
+        "`model@version` goes to that version whatever the weights. Promote: make this bundle the model's "
+        "`bundle` and drop `canary`; roll back: drop `canary`."))
+
+
 class ModelSpec(_Strict):
     """One served model: a bundle directory and its replica-lifetime engine knobs."""
     name: str = Field(..., description="Model name in the API and Serve deployment name, e.g. 'translate'.")
     bundle: Path = Field(..., description="Bundle directory; relative paths are under AppArgs.artifacts_dir.")
     engine: ReplicaKnobs = Field(default_factory=ReplicaKnobs)
+    canary: CanarySpec | None = Field(None, description=(
+        "Serve a second bundle of this model beside `bundle`, as the deployment '<name>-canary' (its own "
+        "replicas and deployment options in the Serve config), with `weight` percent of the traffic."))
     stream_interval_s: float = Field(0.0, ge=0.0, le=1.0, description=(
         "A stream's tokens cross from the model replica to the client at most once per this interval (the first "
         "token at once, the last without waiting); 0 = as soon as each is ready. The SSE output stays one event "
@@ -85,9 +98,17 @@ class ModelSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name_ok(cls, v: str) -> str:
-        if not MODEL_NAME.match(v) or v == INGRESS_DEPLOYMENT:
-            raise ValueError(f"model name {v!r} must match {MODEL_NAME.pattern} and not be '{INGRESS_DEPLOYMENT}'")
+        if not MODEL_NAME.match(v) or v == INGRESS_DEPLOYMENT or v.endswith(CANARY_SUFFIX):
+            raise ValueError(f"model name {v!r} must match {MODEL_NAME.pattern}, not be '{INGRESS_DEPLOYMENT}' "
+                             f"and not end in '{CANARY_SUFFIX}' (the name of a model's canary deployment)")
         return v
+
+    def deployments(self) -> list[tuple[str, Path, float]]:
+        """(Serve deployment name, bundle, percent of this model's traffic) of each version served."""
+        if self.canary is None:
+            return [(self.name, self.bundle, 100.0)]
+        return [(self.name, self.bundle, 100.0 - self.canary.weight),
+                (self.name + CANARY_SUFFIX, self.canary.bundle, self.canary.weight)]
 
 
 class AppArgs(_Strict):
@@ -112,9 +133,11 @@ class AppArgs(_Strict):
             raise ValueError(f"model names must be unique, got {names}")
         return v
 
-    def bundle_dir(self, spec: ModelSpec) -> Path:
-        """The absolute bundle directory of a model (resolved where the app is built)."""
-        path = spec.bundle if spec.bundle.is_absolute() else self.artifacts_dir / spec.bundle
+    def bundle_dir(self, spec: ModelSpec, bundle: Path | None = None) -> Path:
+        """The absolute bundle directory of a model, or of `bundle` (its canary's), resolved where the app is
+        built."""
+        bundle = spec.bundle if bundle is None else bundle
+        path = bundle if bundle.is_absolute() else self.artifacts_dir / bundle
         return path.resolve()
 
     def resolved_api_key(self) -> str | None:
@@ -134,21 +157,25 @@ def engine_config(spec: ModelSpec, live: BatchingKnobs, limits: Limits) -> Engin
 def check_deployments(app: dict[str, Any], args: AppArgs) -> None:
     """Cross-checks Ray cannot do: every model has a deployment entry whose limits let batches form."""
     deployments = {d["name"]: d for d in app.get("deployments", [])}
-    expected = {INGRESS_DEPLOYMENT, *(m.name for m in args.models)}
+    expected = {INGRESS_DEPLOYMENT, *(name for m in args.models for name, _, _ in m.deployments())}
     unknown = set(deployments) - expected
     if unknown:
         raise ValueError(f"deployments {sorted(unknown)} match no model; expected names {sorted(expected)}")
     IngressKnobs.model_validate(deployments.get(INGRESS_DEPLOYMENT, {}).get("user_config") or {})
     for spec in args.models:
-        dep = deployments.get(spec.name, {})
-        live = BatchingKnobs.model_validate(dep.get("user_config") or {})
-        ongoing = dep.get("max_ongoing_requests")
-        if ongoing is not None and ongoing < live.max_batch_size:
-            raise ValueError(f"deployment {spec.name!r}: max_ongoing_requests={ongoing} < max_batch_size="
-                             f"{live.max_batch_size}; a full batch could never form. Raise max_ongoing_requests.")
-        if ongoing is not None and live.batching == BatchingMode.CONTINUOUS and ongoing < spec.engine.max_slots:
-            raise ValueError(f"deployment {spec.name!r}: max_ongoing_requests={ongoing} < max_slots="
-                             f"{spec.engine.max_slots}; KV slots would sit idle. Raise max_ongoing_requests.")
+        for name, _, _ in spec.deployments():
+            _check_model_deployment(name, deployments.get(name, {}), spec)
+
+
+def _check_model_deployment(name: str, dep: dict[str, Any], spec: ModelSpec) -> None:
+    live = BatchingKnobs.model_validate(dep.get("user_config") or {})
+    ongoing = dep.get("max_ongoing_requests")
+    if ongoing is not None and ongoing < live.max_batch_size:
+        raise ValueError(f"deployment {name!r}: max_ongoing_requests={ongoing} < max_batch_size="
+                         f"{live.max_batch_size}; a full batch could never form. Raise max_ongoing_requests.")
+    if ongoing is not None and live.batching == BatchingMode.CONTINUOUS and ongoing < spec.engine.max_slots:
+        raise ValueError(f"deployment {name!r}: max_ongoing_requests={ongoing} < max_slots="
+                         f"{spec.engine.max_slots}; KV slots would sit idle. Raise max_ongoing_requests.")
 
 
 def load_serve_config(path: str | Path, artifacts_dir: str | Path | None = None) -> dict[str, Any]:

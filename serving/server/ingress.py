@@ -1,7 +1,8 @@
 """The HTTP ingress: the FastAPI app of serving/server/api.py served by a Ray Serve deployment.
 
 `Ingress` serves the app with `RayBackend`, which calls the model deployments through handles (streaming
-ones for SSE), turns Ray's overload errors into 429s and a replica that died or is gone into a 503 that can
+ones for SSE) -- a model's stable deployment or its canary, by weight or by the version a request names
+(versions.py; the versions the replicas serve are asked for and cached for VERSIONS_TTL_S) -- turns Ray's overload errors into 429s and a replica that died or is gone into a 503 that can
 be retried, and cancels the model's request when the HTTP client goes away. Readiness counts each model's
 RUNNING replicas in Serve's status (readiness.py); /metrics is the cross-node scrape (metrics.py), both off
 the event loop and cached for about a second, single flight (cached.py; /metrics answers from the last scrape
@@ -31,6 +32,7 @@ from serving.server.cached import Cached
 from serving.server.metrics import RayNodeScraper, Recorder, aggregate_exposition
 from serving.server.readiness import ModelReadiness, probe_replicas, serve_replica_states
 from serving.server.service import StreamPiece, TextRequest, TextResult, is_result
+from serving.server.versions import Router, ServedVersion
 
 log = logging.getLogger("ray.serve")
 # /metrics answers from a scrape at most METRICS_TTL_S old (Ray's nodes export every 1-2 s anyway), or up to
@@ -38,25 +40,51 @@ log = logging.getLogger("ray.serve")
 # exposition grows to megabytes (2.4 MB, 0.6 s to fetch and filter, measured here on a loaded machine), so a slow
 # scrape is repeated less often: at most SCRAPE_SHARE of the time goes to scraping.
 METRICS_TTL_S, METRICS_STALE_S, SCRAPE_SHARE = 1.0, 3.0, 0.2
+VERSIONS_TTL_S = 2.0  # a rolled-out version is listed (and can be named) within this long
 
 
 class RayBackend:
-    """serving.server.api.Backend over Serve deployment handles."""
+    """serving.server.api.Backend over Serve deployment handles (one per deployment: models and canaries)."""
 
-    def __init__(self, handles: dict[str, DeploymentHandle], tasks: dict[str, str], app_name: str) -> None:
-        self.handles, self.tasks = handles, tasks
+    def __init__(self, handles: dict[str, DeploymentHandle], tasks: dict[str, str],
+                 routes: dict[str, list[tuple[str, float]]], app_name: str) -> None:
+        self.handles, self.tasks, self.router = handles, tasks, Router(routes)
         self.readiness = ModelReadiness(list(handles), functools.partial(serve_replica_states, app_name),
-                                        lambda model: probe_replicas(self.handles[model]))
+                                        lambda deployment: probe_replicas(self.handles[deployment]))
         self._scraper = RayNodeScraper()
         self._metrics: Cached[str] = Cached(self._scrape, METRICS_TTL_S, METRICS_STALE_S)
+        self._versions: Cached[list[ServedVersion]] = Cached(self._ask_versions, VERSIONS_TTL_S)
 
     def model_tasks(self) -> dict[str, str]:
         return self.tasks
 
+    async def model_versions(self) -> list[ServedVersion]:
+        return await self._versions.get()
+
+    async def _ask_versions(self) -> list[ServedVersion]:
+        """Each deployment's version, from one of its replicas (during a rollout: whichever answers)."""
+        asked = [(m, d, w) for m, choices in self.router.routes.items() for d, w in choices]
+        infos = await asyncio.gather(*(self.handles[d].info.remote() for _, d, _ in asked), return_exceptions=True)
+        return [ServedVersion(m, d, info["version"], info["created"], w)
+                for (m, d, w), info in zip(asked, infos) if isinstance(info, dict)]
+
+    async def _handle(self, model: str, req: TextRequest) -> DeploymentHandle:
+        if req.version is None:
+            return self.handles[self.router.pick(model)]
+        deployment = self.router.serving(model, req.version, await self.model_versions())
+        if deployment is None:  # maybe just rolled out: ask again once
+            self._versions.invalidate()
+            deployment = self.router.serving(model, req.version, await self.model_versions())
+        if deployment is None:
+            served = sorted(s.version for s in await self.model_versions() if s.model == model)
+            raise ServiceError(ErrorKind.NOT_FOUND, f"model {model}@{req.version[:40]} is not served; versions of "
+                               f"{model} served now: {served}", field="model")
+        return self.handles[deployment]
+
     async def complete(self, model: str, req: TextRequest) -> TextResult:
-        response = None
+        response, handle = None, await self._handle(model, req)
         try:
-            response = self.handles[model].complete.remote(req)
+            response = handle.complete.remote(req)
             result = await response
         except asyncio.CancelledError:
             if response is not None:
@@ -69,9 +97,9 @@ class RayBackend:
         return result
 
     async def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
-        gen, finished = None, False
+        gen, finished, handle = None, False, await self._handle(model, req)
         try:
-            gen = self.handles[model].options(stream=True).stream.remote(req)
+            gen = handle.options(stream=True).stream.remote(req)
             async for chunk in gen:
                 if isinstance(chunk, ServiceError):
                     raise chunk
@@ -87,7 +115,9 @@ class RayBackend:
                 _cancel_quietly(gen)
 
     async def models_ready(self) -> dict[str, bool]:
-        return await self.readiness.models_ready()
+        """A model is ready while each of its deployments (stable and canary) has a replica that can serve."""
+        ready = await self.readiness.models_ready()
+        return {m: all(ready.get(d, False) for d in self.router.deployments(m)) for m in self.tasks}
 
     async def metrics_text(self) -> str:
         return await self._metrics.get()
@@ -133,13 +163,14 @@ def _as_service_error(e: BaseException) -> BaseException:
 @serve.deployment
 @serve.ingress()
 class Ingress:
-    def __init__(self, args: dict, tasks: dict[str, str], **handles: DeploymentHandle) -> None:
-        self.args, self.tasks, self.handles = AppArgs.model_validate(args), tasks, handles
+    def __init__(self, args: dict, tasks: dict[str, str], routes: dict[str, list[tuple[str, float]]],
+                 **handles: DeploymentHandle) -> None:
+        self.args, self.tasks, self.routes, self.handles = AppArgs.model_validate(args), tasks, routes, handles
         self.drain = Drain()
         self.app_name = serve.get_replica_context().app_name  # whose replicas readiness counts
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(RayBackend(self.handles, self.tasks, self.app_name), self.args.limits, Recorder("ray"),
+        return create_app(RayBackend(self.handles, self.tasks, self.routes, self.app_name), self.args.limits, Recorder("ray"),
                           self.args.resolved_api_key(), self.drain, self.args.metrics_require_key)
 
     async def reconfigure(self, user_config: dict) -> None:

@@ -49,7 +49,8 @@ def prepare_config(config: str | Path, artifacts: str | Path | None = None, host
         args["artifacts_dir"] = str(root.resolve())
         parsed = AppArgs.model_validate(args)
         for spec in parsed.models:
-            bundle_task(parsed.bundle_dir(spec))  # fails here, with the path, not later in a replica
+            for _, bundle, _ in spec.deployments():
+                bundle_task(parsed.bundle_dir(spec, bundle))  # fails here, with the path, not in a replica
     http = raw.setdefault("http_options", {})
     if host is not None:
         http["host"] = host

@@ -2,7 +2,8 @@
 them, and the aggregation behind the ingress's `/metrics`.
 
 - `METRICS` declares every metric once (prefix kvserve_, base units, counters end in _total, labels only
-  from the bounded set model/endpoint/status/reason).
+  from the bounded set model/version/endpoint/status/reason; `version` is the served bundle's version, so a
+  canary's figures stand apart from the stable version's).
 - `Recorder` records through `ray.serve.metrics` inside Ray Serve replicas (each node's metrics agent
   then exports every replica of that node, as `ray_kvserve_*` with replica/worker labels), or through a
   prometheus_client registry outside Ray (unit tests, a single process).
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kvserve_"
 RAY_PREFIX = "ray_"
-ALLOWED_LABELS = ("model", "endpoint", "status", "reason")
+ALLOWED_LABELS = ("model", "version", "endpoint", "status", "reason")
 
 
 class Kind(str, Enum):
@@ -64,10 +65,10 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0,
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
-_M, _ME, _MR = ("model",), ("model", "endpoint"), ("model", "reason")
+_M, _ME, _MR = ("model", "version"), ("model", "version", "endpoint"), ("model", "reason")
 METRICS: dict[str, MetricDef] = {d.name: d for d in (
-    MetricDef("kvserve_requests_total", Kind.COUNTER, "HTTP requests answered, by model, endpoint and status code.",
-              ("model", "endpoint", "status")),
+    MetricDef("kvserve_requests_total", Kind.COUNTER, "HTTP requests answered, by model, version, endpoint and "
+              "status code (version 'none' when no model answered).", ("model", "version", "endpoint", "status")),
     MetricDef("kvserve_request_duration_seconds", Kind.HISTOGRAM, "End-to-end HTTP request latency.", _ME,
               E2E_BUCKETS),
     MetricDef("kvserve_time_to_first_token_seconds", Kind.HISTOGRAM, "Engine submit to first token.", _M,
@@ -88,7 +89,8 @@ METRICS: dict[str, MetricDef] = {d.name: d for d in (
     MetricDef("kvserve_kv_slots_capacity", Kind.GAUGE, "KV-cache slots in the pools.", _M),
     MetricDef("kvserve_rejections_total", Kind.COUNTER, "Requests refused for overload, by reason.", _MR),
     MetricDef("kvserve_cancellations_total", Kind.COUNTER,
-              "Requests cancelled before their end (client gone, stop string, deadline), by reason.", _MR),
+              "Requests cancelled before their end (client gone, stop string, deadline), by reason.",
+              ("model", "version", "reason")),
 )}
 
 

@@ -3,7 +3,8 @@
 `ModelDeployment` is a thin shim: it builds the Engine (serving/engine/) from the bundle and a ModelService
 (serving/server/service.py) around it, warms the engine up before the replica takes traffic, applies the
 batching knobs live in `reconfigure(user_config)` (the engine's own batching modes: continuous, request-level
-or none), polls engine gauges, fails its health check when the engine is dead (steps kept failing, or one hung
+or none), polls engine gauges, reports the engine's load to Serve's autoscaler (`record_autoscaling_stats`,
+read by serving/server/autoscale.py), fails its health check when the engine is dead (steps kept failing, or one hung
 past the engine's `step_timeout_s` watchdog: Ray then replaces the replica), and drains in-flight requests
 on shutdown. Errors the client caused come back as values (see `complete`).
 
@@ -31,6 +32,7 @@ from serving.server.chunks import coalesce
 from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
 
 log = logging.getLogger("ray.serve")
+ENGINE_LOAD_KEYS = ("running", "waiting", "slots_total")  # the engine snapshot's keys the autoscaler reads
 GAUGE_PERIOD_S = 0.25  # an idle engine's gauges (slots in use) reach /metrics within one export period
 
 
@@ -40,16 +42,17 @@ class ModelDeployment:
         self.spec, self.limits = ModelSpec.model_validate(spec), Limits.model_validate(limits)
         self.live = BatchingKnobs()
         bundle = load_bundle(bundle_dir)
+        self.version, self.created = bundle.version, bundle.created
         config = engine_config(self.spec, self.live, self.limits)
         self.engine = await asyncio.to_thread(Engine.from_bundle, bundle_dir, config)
         await self.engine.start()
         tokenizer = Tokenizer.load(bundle.tokenizer_path)
         self.service = ModelService(self.spec.name, self.engine, tokenizer, self.limits.max_prompt_tokens,
-                                    Recorder("ray"))
+                                    Recorder("ray"), version=self.version)
         await self._warm_up(tokenizer)
         self._gauges = asyncio.get_running_loop().create_task(self._poll_gauges())
-        log.info("model %s ready: bundle %s, task %s, %s", self.spec.name, bundle_dir, bundle.task,
-                 self.engine.snapshot())
+        log.info("model %s version %s ready: bundle %s, task %s, %s", self.spec.name, self.version, bundle_dir,
+                 bundle.task, self.engine.snapshot())
 
     async def _warm_up(self, tokenizer: Any) -> None:
         """One short request through every graph, so the first user request does not pay for it."""
@@ -88,8 +91,14 @@ class ModelDeployment:
 
     async def info(self) -> dict:
         return {"name": self.spec.name, "task": self.service.task, "pid": os.getpid(),
+                "version": self.version, "created": self.created,
                 "live": self.live.model_dump(mode="json"),
                 "engine": self.engine.snapshot()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's load, for Serve's autoscaler (a custom policy reads it: serving/server/autoscale.py)."""
+        snap = self.engine.snapshot()
+        return {key: float(snap.get(key, 0)) for key in ENGINE_LOAD_KEYS}
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def _poll_gauges(self) -> None:

@@ -36,7 +36,8 @@ class _Body(BaseModel):
 
 class TranslateRequest(_Body):
     text: Text | list[Text] = Field(..., description="One source text or a list of them.")
-    model: str | None = Field(None, description="Model name; default: the one translation model.")
+    model: str | None = Field(None, description=(
+        "Model name, or `name@version` to pin a version (GET /v1/models); default: the one translation model."))
     beam_size: int = Field(1, ge=1, le=8, description="Beam width; 1 = greedy.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens per translation.")
     n_best: int | None = Field(None, ge=1, le=8, description="Hypotheses returned per text (<= beam_size).")
@@ -57,7 +58,8 @@ class TranslateRequest(_Body):
 
 class GenerateRequest(_Body):
     prompt: Text = Field(..., description="Text to continue.")
-    model: str | None = Field(None, description="Model name; default: the one generation model.")
+    model: str | None = Field(None, description=(
+        "Model name, or `name@version` to pin a version (GET /v1/models); default: the one generation model."))
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy.")
     top_k: int = Field(0, ge=0, le=100_000, description="Sample from the k most likely tokens; 0 = off.")

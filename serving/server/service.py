@@ -35,6 +35,7 @@ class TextRequest:
     deadline_wall: float  # time.time() after which the request fails with 504 (wall clock: crosses processes)
     field: str = "prompt"  # the request field that holds `text`, for error messages
     request_id: str = ""
+    version: str | None = None  # the model version the client named (`model@version`); None: any
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,21 @@ class TextResult:
     ttft_s: float | None
     total_s: float
     n_best: tuple[tuple[str, float], ...] = ()
+    version: str = ""  # the version of the model that answered (its bundle's)
 
 
 @dataclass(frozen=True)
 class StreamPiece:
-    """One streamed piece of text: the text released after token `index` (may be '' while held back)."""
+    """One streamed piece of text: the text released after token `index` (may be '' while held back).
+    The first piece of a stream names the model version that answers (the X-Model-Version header)."""
     text: str
     index: int
+    version: str = ""
+
+
+def answering_version(item: object) -> str:
+    """The model version a streamed item names ('' for pieces after the first)."""
+    return getattr(item, "version", "")
 
 
 def is_result(item: object) -> bool:
@@ -74,10 +83,11 @@ class ModelService:
     """Serves one model: `complete` (whole answer) and `stream` (pieces, then the TextResult)."""
 
     def __init__(self, name: str, engine: EngineLike, tokenizer: Tokenizer, max_prompt_tokens: int,
-                 recorder: Recorder | None = None) -> None:
-        self.name, self.engine, self.tok = name, engine, tokenizer
+                 recorder: Recorder | None = None, version: str = "") -> None:
+        self.name, self.engine, self.tok, self.version = name, engine, tokenizer, version
         self.max_prompt_tokens = max_prompt_tokens
         self.recorder = recorder
+        self.labels = {"model": name, "version": version}  # of every metric this service records
         self._stats: dict[str, RequestStats] = {}
         engine.add_observer(self._on_step, self._on_request)
 
@@ -115,7 +125,7 @@ class ModelService:
                 ttft = ttft if ttft is not None else time.monotonic() - started
                 released, stopped = matcher.push(decoder.push(ev.token_id))
                 text += released
-                yield StreamPiece(released, index)
+                yield StreamPiece(released, index, self.version if index == 0 else "")
                 index += 1
                 if stopped:
                     finish = FinishReason.STOP
@@ -141,6 +151,11 @@ class ModelService:
 
     # -- internals ------------------------------------------------------------------------------------
     def _prepare(self, req: TextRequest) -> GenerationRequest:
+        if req.version is not None and req.version != self.version:  # reached a replica of another version
+            raise ServiceError(ErrorKind.NOT_FOUND, f"model {self.name}@{req.version} is not served here: this "
+                               f"replica serves version {self.version} (the version was replaced, or is being "
+                               f"rolled out); name the model without a version, or one of GET /v1/models",
+                               field="model")
         remaining = req.deadline_wall - time.time()
         if remaining <= 0:
             raise ServiceError(ErrorKind.DEADLINE, "request deadline passed before it reached the model")
@@ -177,7 +192,7 @@ class ModelService:
         prompt_tokens = self._user_tokens(gen)
         return TextResult(text=text, finish_reason=finish.value, prompt_tokens=prompt_tokens,
                           completion_tokens=n_tokens, queue_s=stats.queue_wait if stats else None,
-                          ttft_s=ttft, total_s=time.monotonic() - started, n_best=n_best)
+                          ttft_s=ttft, total_s=time.monotonic() - started, n_best=n_best, version=self.version)
 
     def _user_tokens(self, gen: GenerationRequest) -> int:
         """Prompt tokens as the user counts them: without the bos or the pad of an empty source."""
@@ -187,7 +202,7 @@ class ModelService:
 
     def _count_cancel(self, reason: str) -> None:
         if self.recorder:
-            self.recorder.inc("kvserve_cancellations_total", {"model": self.name, "reason": reason})
+            self.recorder.inc("kvserve_cancellations_total", {**self.labels, "reason": reason})
 
     def _on_request(self, s: RequestStats) -> None:
         self._stats[s.request_id] = s
@@ -195,7 +210,7 @@ class ModelService:
             self._stats.pop(next(iter(self._stats)))
         if self.recorder is None:
             return
-        m, r = {"model": self.name}, self.recorder
+        m, r = self.labels, self.recorder
         r.inc("kvserve_prompt_tokens_total", m, s.prompt_tokens)
         r.inc("kvserve_generated_tokens_total", m, s.generated_tokens)
         r.observe("kvserve_queue_wait_seconds", m, s.queue_wait)
@@ -209,7 +224,7 @@ class ModelService:
     def _on_step(self, s: StepStats) -> None:
         if self.recorder is None:
             return
-        m, r = {"model": self.name}, self.recorder
+        m, r = self.labels, self.recorder
         r.observe("kvserve_engine_step_duration_seconds", m, s.duration)
         r.observe("kvserve_engine_batch_size", m, s.batch_size)
         self.record_gauges({"running": s.running, "waiting": s.waiting, "slots_used": s.slots_used,
@@ -220,7 +235,7 @@ class ModelService:
         if self.recorder is None:
             return
         snap = snap if snap is not None else self.engine.snapshot()
-        m = {"model": self.name}
+        m = self.labels
         for key, metric in (("running", "kvserve_running_requests"), ("waiting", "kvserve_waiting_requests"),
                             ("slots_used", "kvserve_kv_slots_used"), ("slots_total", "kvserve_kv_slots_capacity")):
             if key in snap:
