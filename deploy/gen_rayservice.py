@@ -12,7 +12,9 @@ serving/) and what runs in images and on Kubernetes. Every difference is an expl
 3. The head takes no replicas: the head pod starts with num-cpus 0, and every deployment here asks for
    some CPU (the ingress 0.25), so Ray can never place a replica there.
 4. Autoscaling: each deployment gets an `autoscaling_config` instead of a fixed `num_replicas`, so Serve
-   asks for replicas under load and the KubeRay autoscaler adds worker pods to hold them.
+   asks for replicas under load and the KubeRay autoscaler adds worker pods to hold them. Model deployments
+   (canaries included) scale on the engine's load, KV slots in use and waiting requests
+   (serving/server/autoscale.py `EngineLoadPolicy`, settings measured by bench/autoscale.py).
 5. ONNX Runtime provider named, never `auto`: the GPU variant runs provider=cuda (a broken CUDA setup
    fails at replica start instead of silently falling back to the CPU) and gives each model replica half
    a GPU (two models share one GPU per worker pod); the CPU variant runs provider=cpu.
@@ -65,9 +67,12 @@ PROVIDER = {Variant.GPU: "cuda", Variant.CPU: "cpu"}
 MODEL_AUTOSCALING: dict[str, Any] = {
     "min_replicas": 1,
     "max_replicas": 4,
-    "target_ongoing_requests": 24,
     "upscale_delay_s": 10,
     "downscale_delay_s": 300,
+    "look_back_period_s": 10,
+    # A replica wants its KV slots 75% full (running + waiting requests); docs/lifecycle.md, "Autoscaling".
+    "policy": {"policy_function": "serving.server.autoscale:EngineLoadPolicy",
+               "policy_kwargs": {"target_utilization": 0.75}},
 }
 INGRESS_AUTOSCALING: dict[str, Any] = {
     "min_replicas": 1,
@@ -114,6 +119,9 @@ def _rewrite_bundles(app: dict[str, Any]) -> set[str]:
     for model in args.get("models", []):
         model["bundle"] = Path(model["bundle"]).name
         names.add(model["name"])
+        if model.get("canary"):
+            model["canary"]["bundle"] = Path(model["canary"]["bundle"]).name
+            names.add(model["name"] + "-canary")
     return names
 
 

@@ -1,7 +1,7 @@
 """Model lifecycle on a real Ray Serve cluster (slow): a rolling update under load, a 90/10 canary, autoscaling.
 
 Two bundles of the generate model (tiny random models with other weights, so other versions) are served by the
-config of tests/lifecycle_cluster.py, deployed the way `kvserve serve` deploys (serving.server.launch.start):
+config of bench/autoscale.py `single_model_config`, deployed the way `kvserve serve` deploys (serving.server.launch.start):
 a new bundle is a new config, deployed again, as `serve deploy` does.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections import Counter
 import httpx
 import pytest
 from integration_cluster import settled_metrics
-from lifecycle_cluster import Load, lifecycle_config
+from bench.clients import Load
+from bench.autoscale import single_model_config as lifecycle_config
 from reliability_cluster import metric
 
 pytestmark = pytest.mark.slow
@@ -115,3 +116,17 @@ def _requests(client: httpx.Client, n: int) -> Counter:
         return r.headers["x-model-version"]
     with cf.ThreadPoolExecutor(8) as pool:
         return Counter(pool.map(one, range(n)))
+
+
+def test_the_generate_model_scales_up_under_a_load_ramp_and_back_down(two_versions, ray_cluster):
+    """Autoscaling on the engine's load (EngineLoadPolicy): 2 -> 24 -> 2 clients; replicas 1 -> 2+ -> 1."""
+    from bench.autoscale import AUTOSCALING, phase_table, run_ramp
+
+    art, _, _ = two_versions
+    base = _deploy(lifecycle_config(art, ray_cluster["port"], autoscaling=AUTOSCALING, slots=4))
+    run = run_ramp(base, ((2, 10.0), (24, 40.0), (2, 50.0)), max_tokens=16, progress=False)
+    rows = phase_table(run)
+    print("autoscaling ramp:", rows)
+    assert [r["failed"] for r in rows] == [0, 0, 0]
+    assert rows[0]["replicas_max"] == 1 and rows[1]["replicas_max"] >= 2, rows
+    assert run["samples"][-1]["replicas"] == 1, run["samples"][-5:]

@@ -1,10 +1,10 @@
-"""The model-lifecycle suites' Serve config and load (tests/test_lifecycle.py, bench/autoscale.py).
+"""Closed-loop HTTP clients whose number can change while they run: `Load` (bench/autoscale.py's ramp, the
+model-lifecycle tests in tests/test_lifecycle.py).
 
-`lifecycle_config` is deploy/serve_config.yaml reduced to one `generate` model (optionally with a canary or an
-autoscaling_config), every deployment with `max_surge_percent: 100` as shipped, so that a rollout starts the new
-replicas before it stops the old ones. `Load` drives it from client threads with real HTTP: half
-`/v1/completions`, half streaming `/v1/generate`, recording for every request its status, the version that
-answered (X-Model-Version), and whether a stream ended with its final event (a cut stream has none).
+`Load` drives a kvserve server from client threads with real HTTP: half `/v1/completions`, half streaming
+`/v1/generate`, recording for every request its start and end, status, the model version that answered
+(X-Model-Version), its time to first token (streams), and whether the answer was whole (a stream that was cut
+never reaches its final event). For steady load at a fixed concurrency or rate, use loadtest/.
 """
 from __future__ import annotations
 
@@ -12,34 +12,8 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
-import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def lifecycle_config(art: Path, port: int, bundle: str = "bundles/generate", canary: dict | None = None,
-                     autoscaling: dict | None = None, slots: int = 8) -> dict:
-    cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
-    cfg["http_options"].update(port=port, host="127.0.0.1")
-    app = cfg["applications"][0]
-    app["args"]["artifacts_dir"] = str(art)
-    app["args"]["limits"].update(max_prompt_tokens=24, max_tokens=64, request_timeout_s=60)
-    model = {"name": "generate", "bundle": bundle, "engine": {"max_slots": slots, "intra_op_threads": 1}}
-    if canary:
-        model["canary"] = canary
-    app["args"]["models"] = [model]
-    small = {"ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60, "max_surge_percent": 100}
-    gen = {"name": "generate", "max_ongoing_requests": 64, **small,
-           "user_config": {"batching": "continuous", "max_waiting": 64}}
-    if autoscaling:
-        gen["autoscaling_config"] = autoscaling
-    app["deployments"] = [{"name": "ingress", "max_ongoing_requests": 512, **small}, gen]
-    if canary:
-        app["deployments"].append({**gen, "name": "generate-canary"})
-    return cfg
 
 
 @dataclass
