@@ -91,10 +91,10 @@ def _replaced(victim: int) -> bool:
 
 @pytest.mark.slow
 def test_replica_failure_under_load(rel):
-    """kill -9 one of two `generate` replicas while 240 requests (a quarter streamed) run: each request gets
-    one response -- a 200 (Serve retries a plain request whose replica died on the other replica), or a 503
-    that says to retry (with Retry-After), or for a stream already answering, an `unavailable` error event --
-    none outlives its deadline, no stream repeats a token; Serve replaces the replica, which serves."""
+    """kill -9 one of two `generate` replicas while 240 requests (a quarter streamed) run: none is lost. Every
+    request gets a 200: the ingress sends a request whose replica died before answering once more, to the live
+    replica; only a stream that was already answering may end with an `unavailable` error event (retryable).
+    None outlives its deadline, no stream repeats a token; Serve replaces the replica, which serves."""
     replicas = _two_replicas()
     n, concurrency = 240, 24
 
@@ -135,15 +135,12 @@ def test_replica_failure_under_load(rel):
            rest_served_in_s=round(served_s, 1),
            recovered_s=None if recovered_s is None else round(recovered_s, 1), after_recovery=counts(
                [Outcome(s, 0) for s in after]))
-    hit = c.get("503", 0) + stream_errors
-    assert victim_running or hit, f"the kill hit no request in flight: the scenario did not happen ({before})"
+    assert victim_running or stream_errors, f"the kill hit no request in flight: the scenario did not happen ({before})"
     assert all(o.status is not None for o in outcomes), [o.failure for o in outcomes if o.status is None][:5]
-    assert set(c) <= {"200", "503"}, [(o.status, o.error) for o in outcomes if o.status not in (200, 503)][:5]
+    assert set(c) == {"200"}, [(o.status, o.error) for o in outcomes if o.status != 200][:5]
     assert not [o.failure for o in outcomes if o.failure], [o.failure for o in outcomes if o.failure][:3]
     for o in outcomes:
-        if o.status == 503:
-            assert o.retry_after and int(o.retry_after) >= 1, o
-        if o.error is not None:  # a 503, or a stream that was answering when its replica died
+        if o.error is not None:  # a stream that was answering when its replica died
             assert o.error["type"] == "unavailable" and "retry" in o.error["message"], o.error
     assert max(latencies) <= DEADLINE_S + GRACE_S + 1, f"a request hung past its deadline: {max(latencies):.1f}s"
     assert recovered_s is not None, "Serve did not bring a second replica back within 90 s"

@@ -1,12 +1,14 @@
 """The HTTP ingress: the FastAPI app of serving/server/api.py served by a Ray Serve deployment.
 
 `Ingress` serves the app with `RayBackend`, which calls the model deployments through handles (streaming
-ones for SSE) -- a model's stable deployment or its canary, by weight or by the version a request names
-(versions.py; the versions the replicas serve are asked for and cached for VERSIONS_TTL_S) -- turns Ray's overload errors into 429s and a replica that died or is gone into a 503 that can
-be retried, and cancels the model's request when the HTTP client goes away. Readiness counts each model's
-RUNNING replicas in Serve's status (readiness.py); /metrics is the cross-node scrape (metrics.py), both off
-the event loop and cached for about a second, single flight (cached.py; /metrics answers from the last scrape
-while the next one runs), so anonymous probes and scrapes at any rate cost the cluster one call per second. Its `reconfigure` (user_config `IngressKnobs`) drains the
+ones for SSE): a model's stable deployment or its canary, by weight or by the version a request names
+(versions.py; the versions the replicas serve are asked for and cached for VERSIONS_TTL_S). A request whose
+replica died before it answered is sent once more; otherwise Ray's overload errors become 429s and a replica
+that died or is gone a 503 that can be retried, and the model's request is cancelled when the HTTP client goes
+away. Readiness counts each model's RUNNING replicas in Serve's status (readiness.py); /metrics is the
+cross-node scrape (metrics.py), both off the event loop and cached for about a second, single flight
+(cached.py; /metrics answers from the last scrape while the next one runs), so anonymous probes and scrapes
+at any rate cost the cluster one call per second. Its `reconfigure` (user_config `IngressKnobs`) drains the
 replica for a graceful shutdown.
 
 Does not own: the routes (api.py), the model replicas (replica.py), the app graph (app.py).
@@ -40,6 +42,7 @@ log = logging.getLogger("ray.serve")
 # exposition grows to megabytes (2.4 MB, 0.6 s to fetch and filter, measured here on a loaded machine), so a slow
 # scrape is repeated less often: at most SCRAPE_SHARE of the time goes to scraping.
 METRICS_TTL_S, METRICS_STALE_S, SCRAPE_SHARE = 1.0, 3.0, 0.2
+REPLICA_DEATH_RETRIES = 1  # a request whose replica died before answering is sent once more
 VERSIONS_TTL_S = 2.0  # a rolled-out version is listed (and can be named) within this long
 
 
@@ -82,37 +85,51 @@ class RayBackend:
         return self.handles[deployment]
 
     async def complete(self, model: str, req: TextRequest) -> TextResult:
-        response, handle = None, await self._handle(model, req)
-        try:
-            response = handle.complete.remote(req)
-            result = await response
-        except asyncio.CancelledError:
-            if response is not None:
-                _cancel_quietly(response)
-            raise
-        except Exception as e:
-            raise _as_service_error(e) from None
-        if isinstance(result, ServiceError):
-            raise result
-        return result
+        """The model's answer. A replica that dies before answering costs nothing but time: the request is sent
+        once more (Serve's router no longer picks a dead replica), with the same seed, so the same output."""
+        for attempt in range(1 + REPLICA_DEATH_RETRIES):
+            response, handle = None, await self._handle(model, req)
+            try:
+                response = handle.complete.remote(req)
+                result = await response
+            except asyncio.CancelledError:
+                if response is not None:
+                    _cancel_quietly(response)
+                raise
+            except Exception as e:
+                if attempt < REPLICA_DEATH_RETRIES and _replica_died(e):
+                    log.warning("model %s: the replica died before answering; sending the request again", model)
+                    continue
+                raise _as_service_error(e) from None
+            if isinstance(result, ServiceError):
+                raise result
+            return result
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
-        gen, finished, handle = None, False, await self._handle(model, req)
-        try:
-            gen = handle.options(stream=True).stream.remote(req)
-            async for chunk in gen:
-                if isinstance(chunk, ServiceError):
-                    raise chunk
-                finished = finished or is_result(chunk[-1])  # the last item: nothing to cancel after
-                yield chunk
-            finished = True
-        except ServiceError:
-            raise
-        except Exception as e:
-            raise _as_service_error(e) from None
-        finally:
-            if gen is not None and not finished:  # client gone or error: cancel the model's request
-                _cancel_quietly(gen)
+        """The model's stream in chunks. A replica that dies before the first chunk is retried like `complete`;
+        after it, the client has text already, and the stream ends with a retryable error."""
+        for attempt in range(1 + REPLICA_DEATH_RETRIES):
+            gen, started, finished, handle = None, False, False, await self._handle(model, req)
+            try:
+                gen = handle.options(stream=True).stream.remote(req)
+                async for chunk in gen:
+                    if isinstance(chunk, ServiceError):
+                        raise chunk
+                    started, finished = True, finished or is_result(chunk[-1])  # after the last: nothing to cancel
+                    yield chunk
+                finished = True
+                return
+            except ServiceError:
+                raise
+            except Exception as e:
+                if not started and attempt < REPLICA_DEATH_RETRIES and _replica_died(e):
+                    log.warning("model %s: the replica died before streaming; sending the request again", model)
+                    continue
+                raise _as_service_error(e) from None
+            finally:
+                if gen is not None and not finished:  # client gone or error: cancel the model's request
+                    _cancel_quietly(gen)
 
     async def models_ready(self) -> dict[str, bool]:
         """A model is ready while each of its deployments (stable and canary) has a replica that can serve."""
@@ -139,12 +156,19 @@ def _cancel_quietly(response: Any) -> None:
         pass
 
 
+def _replica_died(e: BaseException) -> bool:
+    """Whether a handle call failed because its replica died or became unreachable (not the request's fault)."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    return isinstance(e, (RayActorError, ReplicaUnavailableError))
+
+
 def _as_service_error(e: BaseException) -> BaseException:
     """The ServiceError inside a Ray error, or Ray's overload / unavailability as one; else `e` itself."""
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    if isinstance(e, (RayActorError, ReplicaUnavailableError)):  # the replica died (or is unreachable)
+    if _replica_died(e):
         return ServiceError(ErrorKind.UNAVAILABLE, "the model replica serving this request failed and is being "
                             "restarted; retry the request", retry_after_s=1.0, reason="replica_failed")
     inner = getattr(e, "cause", None) or e  # Ray wraps a replica's exception in a RayTaskError
