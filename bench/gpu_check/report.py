@@ -22,9 +22,9 @@ BENCHMARKS_SECTION = [
     "## 5. GPU (CUDA EP)", "",
     "The CUDA path (CUDA EP, fp16 bundles, the KV cache bound in device memory, the engine and a Ray Serve "
     "replica with `num_gpus: 1`) is built but has not yet run on a GPU: no figures yet. One prepared command "
-    "checks and measures all of it on a machine with an NVIDIA GPU and `onnxruntime-gpu` installed (offline, "
-    "under 8 minutes on 16 cores) and writes `gpu_check.json` and `gpu_check.md` to `OUT`; its markdown goes "
-    "here once it has run:", "",
+    "checks and measures all of it on a machine with an NVIDIA GPU and `onnxruntime-gpu` installed (offline; "
+    "its plan is sized for 8 minutes on 16 cores) and writes `gpu_check.json` and `gpu_check.md` to `OUT`; "
+    "its markdown goes here once it has run. `make gpu-check-cpu` runs the same steps on the CPU EP.", "",
     "```", "make gpu-check OUT=artifacts/gpu-check          # PY=python3 by default: any python with the deps",
     "python -m bench.gpu_check --device cuda --out artifacts/gpu-check", "```", ""]
 
