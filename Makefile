@@ -32,7 +32,7 @@ bench: venv
 	$(BIN)/kvserve bench --artifacts $(ART) --out docs/benchmarks.md
 
 # The prepared GPU check (bench/gpu_check): any python that has the deps (no venv needed; PY=...), offline.
-# gpu-check-cpu runs the same steps on the CPU EP. Exit status: 0 passed, 1 a check failed, 2 incomplete.
+# gpu-check-cpu runs the same steps on the CPU EP. OUT/gpu_check.json says what passed, failed or was skipped.
 OUT ?= artifacts/gpu-check
 gpu-check:
 	$(PY) -m bench.gpu_check --device cuda --out $(OUT) --artifacts $(ART)

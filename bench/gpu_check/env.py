@@ -30,6 +30,14 @@ from bench.gpu_check.plan import Step
 CUDA_LIBS = ("libcudart.so", "libcublas.so", "libcublasLt.so", "libcudnn.so", "libcufft.so", "libcurand.so",
              "libnvrtc.so")
 SYSTEM_DIRS = ("/usr/local/cuda/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/lib")
+# module -> (distribution name or None, the gate it belongs to); a gate's steps need all of its modules
+MODULES = {"numpy": (None, "core"), "onnx": (None, "core"), "tokenizers": (None, "core"), "pydantic": (None, "core"),
+           "yaml": ("pyyaml", "core"), "torch": (None, "export"), "onnxscript": (None, "export"),
+           "safetensors": (None, "export"), "sacrebleu": (None, "export"), "ray": (None, "server"),
+           "fastapi": (None, "server"), "httpx": (None, "server"), "prometheus_client": ("prometheus-client", "server"),
+           "tqdm": (None, "server"), "matplotlib": (None, "server"), "pytest": (None, "pytest")}
+NEEDED_BY = {"core": "every step", "export": "the bundle export and the parity step",
+             "server": "the server step (Ray Serve and kvserve loadtest)", "pytest": "the gpu tests"}
 INSTALL_ORT_GPU = ("install onnxruntime-gpu beforehand, e.g. `pip install --no-deps --target DIR "
                    "onnxruntime-gpu==1.31.1` and `PYTHONPATH=DIR`")
 
@@ -142,17 +150,13 @@ def run(step: Step, device: str) -> dict[str, bool]:
         step.data["nvidia_pip_lib_dirs"] = nvidia_lib_dirs()
     usable = {"device": onnxruntime_info(device, step, missing)}
     usable["onnxruntime"] = "onnxruntime" in step.data
-    step.data["modules"] = {m: version_of(m, d) for m, d in
-                            (("torch", None), ("onnx", None), ("ray", None), ("pytest", None), ("httpx", None),
-                             ("yaml", "pyyaml"), ("fastapi", None))}
-    for module, needed_by in (("torch", "bundle export and parity"), ("onnx", "every step"),
-                              ("ray", "the server step"), ("fastapi", "the server step"),
-                              ("httpx", "the server step"), ("pytest", "the gpu tests")):
+    step.data["modules"] = {m: version_of(m, dist) for m, (dist, _) in MODULES.items()}
+    for module, (_, gate) in MODULES.items():
         if step.data["modules"][module] is None:
-            missing.append(f"{module} is not importable: {needed_by} cannot run")
-    mods = step.data["modules"]
-    usable.update(torch=mods["torch"] is not None, ray=all(mods[m] for m in ("ray", "fastapi", "httpx", "yaml")),
-                  pytest=mods["pytest"] is not None)
+            missing.append(f"{module} is not importable: {NEEDED_BY[gate]} cannot run")
+    have = lambda gate: all(step.data["modules"][m] for m, (_, g) in MODULES.items() if g == gate)  # noqa: E731
+    usable["onnxruntime"] = usable["onnxruntime"] and have("core")
+    usable.update(torch=have("export"), ray=have("server"), pytest=have("pytest"))
     step.data["missing"] = missing
     step.data["usable"] = usable
     if missing:

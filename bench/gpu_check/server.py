@@ -84,6 +84,8 @@ def run(step: Step, plan: Plan, bundles: Bundles, device: str, work: Path, data_
     path = work / "serve_config.yaml"
     path.write_text(yaml.safe_dump(serve_config(bundle, device, plan, port), sort_keys=False))
     step.data.update(config=str(path), bundle=str(bundle))
+    # Ray's workers (the Serve controller imports serving.server.app) find this checkout without an install
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     ray.init(num_cpus=max(os.cpu_count() or 1, 2), num_gpus=1 if device == "cuda" else 0, include_dashboard=False,
              log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})

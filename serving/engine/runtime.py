@@ -354,8 +354,8 @@ class ModelRuntime:
             raise RuntimeError(
                 "onnxruntime could not start its CUDA execution provider (the session has only "
                 f"{sess.get_providers()}): the CUDA or cuDNN libraries it needs are not loadable. "
-                "`python -m bench.gpu_check --device cuda --out DIR` lists what is found; use provider 'cpu' "
-                "or 'auto' meanwhile")
+                "`python -m bench.gpu_check --device cuda --out DIR` lists what is found; provider 'cpu' serves "
+                "on the CPU meanwhile")
         self._sessions.append(sess)
         if contract_name is not None:
             def io(args) -> list:

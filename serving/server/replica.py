@@ -89,7 +89,7 @@ class ModelDeployment:
     async def info(self) -> dict:
         return {"name": self.spec.name, "task": self.service.task, "pid": os.getpid(),
                 "live": self.live.model_dump(mode="json"),
-                "provider": getattr(self.engine.runtime, "provider", None),  # the ONNX Runtime EP it runs on
+                "provider": getattr(getattr(self.engine, "runtime", None), "provider", None),  # its ONNX Runtime EP
                 "engine": self.engine.snapshot()}
 
     # -- lifecycle ------------------------------------------------------------------------------------
