@@ -51,8 +51,8 @@ class Check:
         needs = {"bundles": ("onnxruntime",), "parity": ("device", "torch", "bundles"), "kv_on_device": ("device", "bundles"),
                  "engine": ("device", "bundles"), "gpu_tests": ("device", "pytest", "torch"),
                  "server": ("device", "ray", "bundles")}[name]
-        words = {"device": f"the {self.device} EP is not usable", "torch": "a module of the bundle export is missing",
-                 "ray": "a module of the server step is missing", "pytest": "pytest is not importable",
+        words = {"device": f"the {self.device} EP is not usable", "torch": "torch or another module of the bundle export is missing",
+                 "ray": "ray or another module of the server step is missing", "pytest": "pytest is not importable",
                  "onnxruntime": "onnxruntime or a core module is missing", "bundles": "no bundles"}
         have = {**self.usable, "bundles": bool(self.bundles.paths)}
         missing = [words[n] for n in needs if not have.get(n)]

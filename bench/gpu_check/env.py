@@ -44,7 +44,10 @@ INSTALL_ORT_GPU = ("install onnxruntime-gpu beforehand, e.g. `pip install --no-d
 
 def version_of(module: str, dist: str | None = None) -> str | None:
     """The installed version of a module (None when it is not importable), without importing it."""
-    if importlib.util.find_spec(module) is None:
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except (ImportError, ValueError, AttributeError):  # e.g. a module blocked with sys.modules[name] = None
         return None
     try:
         return importlib.metadata.version(dist or module)
