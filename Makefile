@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ART ?= artifacts
 
-.PHONY: venv test test-slow serve bench data clean deploy-check
+.PHONY: venv test test-slow serve bench data clean deploy-check gpu-check gpu-check-cpu
 
 $(BIN)/kvserve-installed.stamp: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,15 @@ serve: venv
 
 bench: venv
 	$(BIN)/kvserve bench --artifacts $(ART) --out docs/benchmarks.md
+
+# The prepared GPU check (bench/gpu_check): any python that has the deps (no venv needed; PY=...), offline.
+# gpu-check-cpu runs the same steps on the CPU EP. OUT/gpu_check.json says what passed, failed or was skipped.
+OUT ?= artifacts/gpu-check
+gpu-check:
+	$(PY) -m bench.gpu_check --device cuda --out $(OUT) --artifacts $(ART)
+
+gpu-check-cpu:
+	$(PY) -m bench.gpu_check --device cpu --out $(OUT) --artifacts $(ART)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

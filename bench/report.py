@@ -382,6 +382,8 @@ def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: d
         out += render_translate(sections["translate"])
     if "compute" in sections:
         out += render_compute(sections["compute"], sections.get("inprocess"))
-    out += ["## Plan", "", "The settings of this run (bench/cli.py `BenchPlan`):", "", "```",
+    from bench.gpu_check.report import BENCHMARKS_SECTION  # measured apart: `make gpu-check` on a GPU machine
+
+    out += [*BENCHMARKS_SECTION, "## Plan", "", "The settings of this run (bench/cli.py `BenchPlan`):", "", "```",
             *(f"{k}: {v}" for k, v in plan.items()), "```", ""]
     return "\n".join(out)

@@ -20,6 +20,7 @@
     decode.py          greedy decoding and LM scoring (the reference for export parity)
     evaluate.py        test-split figures of a checkpoint
     scores.py          chrF, BLEU, bits per character (torch-free)
+    tiny.py            a tiny checkpoint fitted in seconds (tests, bench/gpu_check without artifacts)
 
 Nothing here knows about ONNX Runtime or serving; export/ turns what this package trains into a bundle.
 """

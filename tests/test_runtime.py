@@ -179,3 +179,28 @@ def test_serving_side_modules_do_not_import_torch():
             "bench.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+def test_cuda_requested_but_the_session_lacks_the_cuda_ep_is_an_error(bundles, monkeypatch):
+    """ORT runs a session on the CPU EP when the CUDA libraries do not load; the runtime must not carry on as if
+    it were on the GPU. (Here: onnxruntime's CPU build, with the GPU check faked to pass.)"""
+    import serving.engine.runtime as runtime
+
+    if gpu_visible():
+        pytest.skip("a GPU is visible: the CUDA EP starts")
+    monkeypatch.setattr(runtime, "gpu_visible", lambda: True)
+    with pytest.raises(RuntimeError, match="could not start its CUDA execution provider"):
+        ModelRuntime(load_bundle(bundles["generate"]), n_slots=1, provider="cuda")
+
+
+def test_cuda_options_turn_tf32_off_for_fp32_only_and_profiles_are_written(bundles, tmp_path):
+    rt = ModelRuntime(load_bundle(bundles["generate"]), n_slots=2, provider="cpu", profile_prefix=str(tmp_path / "p-"))
+    assert rt._providers() == [CPU_EP]
+    rt._provider = "CUDAExecutionProvider"
+    assert rt._providers()[0][1]["use_tf32"] == "0"
+    rt._dtype = np.dtype(np.float16)
+    assert rt._providers()[0][1]["use_tf32"] == "1"
+    rt._provider = CPU_EP
+    rt.step(0, np.array([[1, 5]]), np.array([2]), np.array([0]))
+    files = rt.end_profiling()
+    assert len(files) == 2 and all(__import__("pathlib").Path(f).is_file() for f in files)  # decoder, slot copy

@@ -15,7 +15,10 @@ runs it accepts (rows without a cache together, each continued row alone, trimme
 
 Slot data never leaves the device: rows [start, start+n) are bound by pointer (a view, no copy); slot
 copies and the placement of encoder outputs run as two tiny ONNX graphs (Gather+ScatterND, TensorScatter)
-bound in place, so the same code path serves the CPU and CUDA EPs.
+bound in place, so the same code path serves the CPU and CUDA EPs. On the CUDA EP, fp32 bundles run with TF32
+off (ORT's default is on): fp32 is the reference variant, held to PyTorch's logits within 1e-4; fp16 bundles
+are the fast one. A CUDA session that came up without the CUDA EP (ORT falls back to the CPU EP when the CUDA
+or cuDNN libraries cannot be loaded) is an error, not a silent CPU fallback.
 
 TORCH-FREE (numpy + onnxruntime + onnx.helper). Does not own: scheduling, sampling, tokenization
 (the rest of serving/engine/), bundle verification (export/bundle.py).
@@ -142,7 +145,9 @@ class ModelRuntime:
 
     def __init__(self, bundle: Bundle, n_slots: int, provider: str = "auto",
                  intra_op_threads: int | None = None, max_src_len: int | None = None,
-                 decoder_graph: str | None = None) -> None:
+                 decoder_graph: str | None = None, profile_prefix: str | None = None) -> None:
+        """`profile_prefix`: when given, every session writes ONNX Runtime's profile (JSON trace) to files
+        starting with it; `end_profiling()` returns their paths (bench/gpu_check reads them)."""
         cfg = bundle.config
         if n_slots < 1:
             raise ValueError(f"n_slots={n_slots} must be >= 1")
@@ -157,6 +162,8 @@ class ModelRuntime:
         if not 1 <= self._max_src_len <= cfg.max_len:
             raise ValueError(f"max_src_len={max_src_len} must be in [1, {cfg.max_len}] (the model's max_len)")
         self._dtype = np.dtype(bundle.variant.float_dtype)
+        self._profile_prefix = profile_prefix
+        self._sessions: list[ort.InferenceSession] = []
         elem = helper.np_dtype_to_tensor_dtype(self._dtype)
 
         if decoder_graph is None:
@@ -326,6 +333,12 @@ class ModelRuntime:
         """Device address of a slot's key row in one layer (tests check that steps never move it)."""
         return self._self_kv[past_key(layer)].ptr(slot)
 
+    def end_profiling(self) -> list[str]:
+        """Stop profiling every session (constructed with `profile_prefix`); the profile files written."""
+        if self._profile_prefix is None:
+            raise ValueError("end_profiling() needs a runtime built with profile_prefix=...")
+        return [s.end_profiling() for s in self._sessions]
+
     # ---- internals ---------------------------------------------------------------------------------------
     def _session(self, model: bytes, contract_name: str | None) -> ort.InferenceSession:
         so = ort.SessionOptions()
@@ -333,14 +346,30 @@ class ModelRuntime:
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.log_severity_level = 3  # errors only: step() itself checks that the KV update stayed in place
-        providers = [self._provider] if self._provider == CPU_EP else [(CUDA_EP, {"device_id": 0}), CPU_EP]
-        sess = ort.InferenceSession(model, so, providers=providers)
+        if self._profile_prefix is not None:
+            so.enable_profiling = True
+            so.profile_file_prefix = f"{self._profile_prefix}{contract_name or 'helper'}"
+        sess = ort.InferenceSession(model, so, providers=self._providers())
+        if self._provider == CUDA_EP and CUDA_EP not in sess.get_providers():
+            raise RuntimeError(
+                "onnxruntime could not start its CUDA execution provider (the session has only "
+                f"{sess.get_providers()}): the CUDA or cuDNN libraries it needs are not loadable. "
+                "`python -m bench.gpu_check --device cuda --out DIR` lists what is found; provider 'cpu' serves "
+                "on the CPU meanwhile")
+        self._sessions.append(sess)
         if contract_name is not None:
             def io(args) -> list:
                 return [(a.name, _ORT_TYPES.get(a.type, a.type), a.shape) for a in args]
             check_graph_io(self.bundle.contracts[contract_name], io(sess.get_inputs()), io(sess.get_outputs()),
                            str(self.bundle.paths[contract_name]))
         return sess
+
+    def _providers(self) -> list:
+        if self._provider == CPU_EP:
+            return [CPU_EP]
+        # TF32 rounds fp32 matmul inputs to 10 mantissa bits: off for the fp32 (reference) variant
+        tf32 = "0" if self._dtype == np.float32 else "1"
+        return [(CUDA_EP, {"device_id": "0", "use_tf32": tf32}), CPU_EP]
 
     def _check_rows(self, start: int, n: int) -> None:
         if n < 1 or start < 0 or start + n > self._n_slots:

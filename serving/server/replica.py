@@ -93,6 +93,7 @@ class ModelDeployment:
         return {"name": self.spec.name, "task": self.service.task, "pid": os.getpid(),
                 "version": self.version, "created": self.created,
                 "live": self.live.model_dump(mode="json"),
+                "provider": getattr(getattr(self.engine, "runtime", None), "provider", None),  # its ONNX Runtime EP
                 "engine": self.engine.snapshot()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

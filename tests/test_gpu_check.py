@@ -1,0 +1,89 @@
+"""bench/gpu_check: the KV-on-device rule on synthetic profiles, the report and exit status, what a run without
+onnxruntime-gpu says, and (slow) `make gpu-check-cpu` end to end."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_check.__main__ import main
+from bench.gpu_check.kv_on_device import measured_nodes, summarize
+from bench.gpu_check.plan import Status, Step
+from bench.gpu_check.report import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, document, exit_status, markdown
+from serving.engine.runtime import gpu_visible
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = (4, 64, 8)  # heads, max_len, head_dim
+
+
+def node(op, ep, inputs, ts=10, name="n"):
+    return {"cat": "Node", "name": name, "ts": ts, "dur": 1,
+            "args": {"op_name": op, "provider": ep, "input_type_shape": [{"float": s} for s in inputs],
+                     "output_type_shape": []}}
+
+
+def test_kv_rule_flags_cache_copies_and_cache_on_host_nodes_only():
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    ok = [node("MemcpyFromHost", cuda, [[8, 1]]), node("Attention", cuda, [[8, *CACHE]]),
+          node("Shape", cpu, [[3]])]
+    r = summarize(ok, CACHE, runs=1, host_nodes_allowed=False)
+    assert r["violation_count"] == 0 and r["memcpy_bytes_per_step"] == 8 * 4 and r["nodes_per_step"] == 3
+    bad = ok + [node("MemcpyToHost", cuda, [[8, *CACHE]], name="copy"), node("TensorScatter", cpu, [[8, *CACHE]])]
+    r = summarize(bad, CACHE, runs=1, host_nodes_allowed=False)
+    assert r["violation_count"] == 2 and "copy" in r["violations"][0]
+    assert summarize(bad, CACHE, runs=1, host_nodes_allowed=True)["violation_count"] == 1  # the copy still counts
+
+
+def test_measured_nodes_are_those_of_the_last_runs():
+    runs = [{"cat": "Session", "name": "model_run", "ts": t, "dur": 5} for t in (0, 100, 200)]
+    events = [*runs, node("Add", "x", [], ts=2), node("Mul", "x", [], ts=102), node("Sub", "x", [], ts=203)]
+    assert [e["args"]["op_name"] for e in measured_nodes(events, 2)] == ["Mul", "Sub"]
+
+
+def test_exit_status_and_markdown_follow_the_steps():
+    env = Step("env", data={"missing": [], "modules": {"torch": "2"}})
+    good = Step("parity", data={"parity/generate/fp16": {"provider": "CUDAExecutionProvider", "graph": "decoder",
+                                                         "logits_max_abs": 0.02, "tolerance": 0.1, "rows": 15,
+                                                         "rows_greedy_identical": 15}})
+    good.check("parity/generate/fp16", True)
+    doc = document("cuda", {}, [env, good], 0.0, ["python -m bench.gpu_check"])
+    assert doc["exit_status"] == EXIT_OK and doc["checks"] == {"parity/generate/fp16": True}
+    md = markdown(doc)
+    assert "every check passed" in md and "| generate/fp16 | CUDAExecutionProvider | decoder | 0.02 | 0.1 | 15/15 |" in md
+    bad = Step("engine")
+    bad.check("invariance/generate/greedy", False)
+    assert bad.status is Status.FAILED
+    doc = document("cuda", {}, [env, good, bad, Step("server", Status.SKIPPED, "ray is not importable")], 0.0, [])
+    assert exit_status(doc) == EXIT_CHECK_FAILED and "**a check failed**" in markdown(doc)
+    doc = document("cuda", {}, [env, good, Step("server", Status.SKIPPED, "ray is not importable")], 0.0, [])
+    assert exit_status(doc) == EXIT_INCOMPLETE and "ray is not importable" in markdown(doc)
+
+
+@pytest.mark.skipif(gpu_visible(), reason="checks the run without onnxruntime-gpu")
+def test_cuda_run_without_onnxruntime_gpu_says_what_is_missing_and_skips_the_device_steps(tmp_path, capsys):
+    assert main(["--device", "cuda", "--out", str(tmp_path), "--steps", "parity", "engine"]) == EXIT_INCOMPLETE
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert any("no CUDAExecutionProvider" in m and "onnxruntime-gpu" in m for m in doc["missing"])
+    for step in ("parity", "engine"):
+        assert doc["steps"][step]["status"] == "skipped"
+        assert "the cuda EP is not usable" in doc["steps"][step]["reason"]
+    assert "Missing:" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_make_gpu_check_cpu_writes_every_check_by_name(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["make", "gpu-check-cpu", f"PY={sys.executable}", f"OUT={out}", f"ART={tmp_path / 'none'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "gpu_check.json").read_text())
+    want = {f"parity/{t}/{v}" for t in ("generate", "translate") for v in ("fp32", "fp16")}
+    want |= {f"invariance/{t}/{k}" for t in ("generate", "translate") for k in ("greedy", "seeded")}
+    want |= {"kv_on_device/generate/fp32", "kv_on_device/translate/fp32", "gpu_tests", "server/replica_on_device",
+             "server/loadtest/8", "server/loadtest/32"}
+    assert want <= set(doc["checks"]) and all(doc["checks"].values()), doc["checks"]
+    assert doc["steps"]["engine"]["data"]["throughput/generate/fp32"]["summary"]
+    assert {s["status"] for s in doc["steps"].values()} == {"ok"}
+    md = (out / "gpu_check.md").read_text()
+    assert "## Parity vs PyTorch (CPU)" in md and "## Server" in md and "every check passed" in md
