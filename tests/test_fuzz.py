@@ -23,8 +23,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from inprocess_app import InProcessServer
 from serving.engine.config import BatchingKnobs, ReplicaKnobs
@@ -33,6 +34,8 @@ from serving.server.schemas import CompletionRequest, GenerateRequest, Translate
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "60"))
+# Failing examples are saved here (git-ignored) and replayed first by the next run, wherever pytest runs from.
+FUZZ_DB = DirectoryBasedExampleDatabase(str(ROOT / ".hypothesis" / "examples"))
 LIMITS = Limits(max_body_bytes=65_536, max_prompt_tokens=32, max_tokens=16, default_max_tokens=4, max_texts=4,
                 max_beam_size=4, max_n_best=2, max_stop_strings=4, request_timeout_s=10)
 ENDPOINTS = {"/v1/translate": TranslateRequest, "/v1/generate": GenerateRequest,
@@ -198,12 +201,23 @@ def assert_healthy(server: InProcessServer) -> None:
     assert server.slots_in_use() == {"translate": 0, "generate": 0}
 
 
+def _explicit(path: str, body: bytes, kind: str = "json") -> dict:
+    """A request `requests()` could draw, always tried first (`@example`), so that every run reaches the models
+    and both kinds of refusal whatever else the fuzzer draws."""
+    return {"method": "POST", "path": path, "kind": kind, "body": body,
+            "headers": [(b"content-type", b"application/json")]}
+
+
 def test_fuzz_every_endpoint_body_and_headers(server):
     seen: collections.Counter = collections.Counter()
 
-    @settings(max_examples=3 * FUZZ_EXAMPLES, deadline=None, database=None,
+    @settings(max_examples=3 * FUZZ_EXAMPLES, deadline=None, database=FUZZ_DB,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(req=requests())
+    @example(req=_explicit("/v1/generate", b'{"prompt": "hello", "max_tokens": 2}'))  # reaches the model: 200
+    @example(req=_explicit("/v1/generate", b'{"prompt": "hi", "max_tokens": -1}'))  # a bad value: 422
+    @example(req=_explicit("/v1/completions", b'{"model": "generate", "prompt": "' + b"a" * 70_000 + b'"}',
+                           kind="big"))  # over max_body_bytes: 413
     def run(req: dict) -> None:
         r = send(server, req)
         seen[r.status_code] += 1
@@ -214,7 +228,7 @@ def test_fuzz_every_endpoint_body_and_headers(server):
     assert_healthy(server)
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=FUZZ_DB, suppress_health_check=[HealthCheck.too_slow])
 @given(path=st.sampled_from(GET_PATHS), method=st.sampled_from(["GET", "GET", "POST", "HEAD", "OPTIONS", "TRACE"]),
        headers=st.dictionaries(st.sampled_from(HEADER_NAMES), header_values, max_size=4),
        query=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40))
@@ -331,7 +345,7 @@ def test_every_limit_is_documented_with_its_default():
 def test_fuzz_against_the_cluster(rel):
     """The same payloads over real HTTP (Ray's proxy, the ingress replica, model replicas)."""
     with httpx.Client(base_url=rel.base, timeout=30) as client:
-        @settings(max_examples=max(60, FUZZ_EXAMPLES), deadline=None, database=None,
+        @settings(max_examples=max(60, FUZZ_EXAMPLES), deadline=None, database=FUZZ_DB,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
         @given(req=requests(), authorized=st.booleans())
         def run(req: dict, authorized: bool) -> None:
@@ -379,10 +393,13 @@ def test_malformed_http_is_refused_by_the_proxy(rel, raw):
 
 
 def _assert_cluster_healthy(rel) -> None:
-    from reliability_cluster import engine_snapshot, wait_for
+    """Ready, serving, and no KV slot left in use on any replica of any model."""
+    from reliability_cluster import replica_infos, wait_for
 
     with rel.client() as client:
         assert client.get("/v2/health/ready").status_code == 200
         assert client.post("/v1/generate", json={"prompt": "the", "max_tokens": 2}).status_code == 200
-    for model in ("translate", "long", "busy"):
-        assert wait_for(lambda: engine_snapshot(model)["slots_used"] == 0, 10), (model, engine_snapshot(model))
+    for model in (m["name"] for m in rel.raw["applications"][0]["args"]["models"]):
+        def idle() -> bool:
+            return all(info["engine"]["slots_used"] == 0 for info in replica_infos(model, 6).values())
+        assert wait_for(idle, 10, 0.2), (model, replica_infos(model, 6))
