@@ -1,0 +1,117 @@
+"""SIGTERM to the images' entry point, `kvserve serve`, with streams in flight (slow; a Ray cluster of its own).
+
+`kvserve serve` runs as a subprocess, exactly as the Docker images run it (`kvserve serve --config ...`), with
+a model slow enough that 20 streams of 200 tokens are still running when the process gets SIGTERM (what
+`docker stop` and a pod's deletion send). Then: no stream is cut short (each reaches its final event), new
+requests get 503 + Retry-After while it drains, and the process exits within the drain timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import free_port
+from reliability_cluster import write_long_bundles
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+STREAMS, TOKENS = 20, 200
+
+
+def _config(art: Path, port: int, path: Path) -> Path:
+    cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    cfg["http_options"]["port"] = port
+    app = cfg["applications"][0]
+    app["args"]["models"] = [{"name": "generate", "bundle": "bundles/long",
+                              "engine": {"max_slots": 32, "intra_op_threads": 1, "provider": "cpu"}}]
+    gen = next(d for d in app["deployments"] if d["name"] == "generate")
+    gen["ray_actor_options"] = {"num_cpus": 0.5}
+    app["deployments"] = [d for d in app["deployments"] if d["name"] == "ingress"] + [gen]
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _stream(base: str, out: list, started: threading.Event) -> None:
+    body = {"prompt": "the quick brown fox", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.Client(base_url=base, timeout=120) as c, c.stream("POST", "/v1/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                started.set()
+    out.append((r.status_code, events, time.monotonic()))
+
+
+def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path):
+    write_long_bundles(bundles)
+    port = free_port()
+    config = _config(bundles, port, tmp_path / "serve_config.yaml")
+    log = tmp_path / "serve.log"  # a file, not a pipe: nobody reads a pipe while the streams run
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--config", str(config), "--artifacts",
+                                 str(bundles), "--num-cpus", "2"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_serving(proc, log)
+        base = f"http://127.0.0.1:{port}"
+        results: list = []
+        firsts = [threading.Event() for _ in range(STREAMS)]
+        threads = [threading.Thread(target=_stream, args=(base, results, e), daemon=True) for e in firsts]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in firsts), "the streams did not start"
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        refused = _first_refusal(base)
+        refused_at = time.monotonic()
+        for t in threads:
+            t.join(120)
+        code = proc.wait(timeout=120)
+        exited_s = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    whole = [events for status, events, _ in results if status == 200 and events and "finish_reason" in events[-1]]
+    still_streaming = sum(ended > refused_at for _, _, ended in results)
+    print(f"SIGTERM with {STREAMS} streams in flight: {len(whole)} finished whole, new requests refused with "
+          f"{refused} while {still_streaming} streams were still running, process exited {exited_s:.1f}s after the "
+          f"signal (code {code})")
+    assert len(whole) == STREAMS, [(s, e[-1] if e else None) for s, e, _ in results]
+    assert still_streaming > 0, "every stream ended before the drain refused a request: nothing was in flight"
+    assert all(len(events) == TOKENS + 1 for events in whole)  # every token, then the final event
+    assert refused is not None and refused[0] == 503 and refused[1] is not None, refused
+    assert code == 0 and exited_s < 60 + 30, (code, exited_s, log.read_text()[-2000:])
+
+
+def _wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and proc.poll() is None:
+        if "kvserve: serving after" in log.read_text(errors="replace"):
+            return
+        time.sleep(0.5)
+    raise AssertionError("kvserve serve did not start:\n" + log.read_text(errors="replace")[-3000:])
+
+
+def _first_refusal(base: str, timeout_s: float = 15) -> tuple[int, str | None] | None:
+    """(status, Retry-After) of the first new request the draining server refuses."""
+    t0 = time.monotonic()
+    with httpx.Client(base_url=base, timeout=10) as c:
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                r = c.post("/v1/generate", json={"prompt": "a", "max_tokens": 1})
+            except httpx.HTTPError:
+                return None
+            if r.status_code != 200:
+                return r.status_code, r.headers.get("retry-after")
+            time.sleep(0.05)
+    return None
