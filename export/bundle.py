@@ -3,7 +3,8 @@
     BUNDLE/manifest.json   format version, task, model config, tokenizer + special ids, each graph's
                            input/output contract, opset, variant, sha256 of every file, source checkpoint
                            hash, parity figures measured at export
-    BUNDLE/tokenizer.json
+    BUNDLE/tokenizer.json  (or, for imported Marian models: vocab.json, source.spm, target.spm; see
+                           manifest["tokenizer"]["kind"])
     BUNDLE/encoder.onnx    (translation only)
     BUNDLE/decoder.onnx
 
@@ -29,6 +30,7 @@ from export.contract import (DECODER_CPU_FILE, FORMAT_VERSION, MANIFEST_FILE, Di
 from model.config import Arch, ModelConfig
 
 TASKS = ("translate", "generate")
+TOKENIZER_KINDS = ("bpe", "sentencepiece")
 
 
 class BundleError(ValueError):
@@ -81,6 +83,8 @@ class Bundle:
     special_ids: dict[str, int]  # pad, bos, eos, unk
     paths: dict[str, Path]  # graph name ("encoder", "decoder") -> file
     tokenizer_path: Path
+    tokenizer_kind: str = "bpe"  # "bpe" (model/tokenizer.py) or "sentencepiece" (model/spm_tokenizer.py)
+    banned_ids: tuple[int, ...] = ()  # token ids never generated (an imported Marian model's bad_words_ids)
 
     @property
     def config(self) -> ModelConfig:
@@ -93,6 +97,16 @@ class Bundle:
     @property
     def contracts(self) -> dict[str, dict[str, Any]]:
         return self.manifest["graphs"]
+
+    def load_tokenizer(self) -> Any:
+        """The bundle's tokenizer: model.tokenizer.Tokenizer or model.spm_tokenizer.SentencePieceTokenizer."""
+        if self.tokenizer_kind == "sentencepiece":
+            from model.spm_tokenizer import SentencePieceTokenizer
+
+            return SentencePieceTokenizer(self.dir, self.special_ids)
+        from model.tokenizer import Tokenizer
+
+        return Tokenizer.load(self.tokenizer_path)
 
     def read_graph(self, name: str) -> bytes:
         """The graph's bytes, checked against the manifest hash again (what is hashed is what is loaded)."""
@@ -185,11 +199,19 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
             raise BundleError(f"bundle {bundle_dir}: graph file {c['file']} is not listed in {MANIFEST_FILE}")
         paths[name] = bundle_dir / c["file"]
     tok = doc["tokenizer"]
-    if tok.get("file") not in doc["files"]:
-        raise BundleError(f"bundle {bundle_dir}: tokenizer file {tok.get('file')!r} is not listed in "
-                          f"{MANIFEST_FILE}")
+    kind = tok.get("kind", "bpe")
+    if kind not in TOKENIZER_KINDS:
+        raise BundleError(f"bundle {bundle_dir}: tokenizer kind {kind!r} is not one of {TOKENIZER_KINDS}")
+    for name in [tok.get("file"), *tok.get("files", [])]:
+        if name not in doc["files"]:
+            raise BundleError(f"bundle {bundle_dir}: tokenizer file {name!r} is not listed in {MANIFEST_FILE}")
+    banned = tuple(int(i) for i in doc.get("generation", {}).get("banned_ids", []))
+    if any(not 0 <= i < cfg.vocab_size for i in banned):
+        raise BundleError(f"bundle {bundle_dir}: generation.banned_ids {list(banned)} must be token ids in "
+                          f"[0, {cfg.vocab_size})")
     return Bundle(dir=bundle_dir, manifest=doc, model_config=doc["model_config"], task=task, variant=variant,
-                  special_ids=dict(tok["special_ids"]), paths=paths, tokenizer_path=bundle_dir / tok["file"])
+                  special_ids=dict(tok["special_ids"]), paths=paths, tokenizer_path=bundle_dir / tok["file"],
+                  tokenizer_kind=kind, banned_ids=banned)
 
 
 def check_graph_io(contract: dict[str, Any], inputs: list[tuple[str, str, list]],

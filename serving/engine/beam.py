@@ -6,7 +6,8 @@ and the new token. Reordering beams is then a KV slot copy (runtime.copy_slots),
 
 The algorithm (fairseq/Hugging Face "early stopping" beam search), which tests/test_beam.py checks against
 an independent reference over the PyTorch model:
-- scores are summed log-probabilities (log_softmax in float64 of the float32 logits);
+- scores are summed log-probabilities (log_softmax in float64 of the float32 logits); banned token ids (an
+  imported model's bad_words_ids) get -inf after the log_softmax, as Hugging Face's logits processors do;
 - the first step expands only beam 0 (all beams hold the same prefix);
 - each step ranks the candidates (beam, token) of all live beams by score and takes the best 2k;
   walking them in order, a candidate ending the sequence (eos or a stop id) becomes a finished hypothesis
@@ -44,6 +45,7 @@ class BeamSearch:
     end_ids: frozenset[int]  # eos and stop token ids
     length_penalty: float = 1.0
     n_best: int = 1
+    banned_ids: tuple[int, ...] = ()  # never chosen (set to -inf after the log_softmax)
     beams: list[list[int]] = field(default_factory=lambda: [[]])  # live beams' generated tokens
     scores: np.ndarray = field(default_factory=lambda: np.zeros(1))
     finished: list[tuple[tuple[int, ...], float]] = field(default_factory=list)  # (tokens incl. end, raw)
@@ -62,6 +64,8 @@ class BeamSearch:
         """
         k = self.beam_size
         logp = log_softmax(logits[: len(self.beams)])
+        if self.banned_ids:
+            logp[:, list(self.banned_ids)] = -np.inf
         cand = (self.scores[:, None] + logp).ravel()  # (nb * V,)
         # 2k candidates with one end token (k * (1 + #end ids) in general) always hold k that continue.
         n = min(k * (1 + len(self.end_ids)), cand.shape[0])
