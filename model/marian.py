@@ -146,6 +146,7 @@ def read_checkpoint(folder: str | Path, max_len: int | None = None) -> MarianChe
     if not folder.is_dir():
         raise MarianImportError(f"{folder} is not a directory; point at a downloaded Marian checkpoint folder")
     hf = _read_json(folder / "config.json")
+    cfg = model_config(hf, max_len)
     gen = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
     tok_cfg = _read_json(folder / "tokenizer_config.json")
     if tok_cfg.get("separate_vocabs"):
@@ -155,7 +156,6 @@ def read_checkpoint(folder: str | Path, max_len: int | None = None) -> MarianChe
         if not (folder / name).is_file():
             raise MarianImportError(f"missing file {folder / name}: the tokenizer needs {', '.join(TOKENIZER_FILES)}")
     vocab = _read_json(folder / "vocab.json")
-    cfg = model_config(hf, max_len)
     if len(vocab) > cfg.vocab_size:
         raise MarianImportError(f"vocab.json has {len(vocab)} entries, more than vocab_size={cfg.vocab_size}")
     return MarianCheckpoint(folder, cfg, _special_ids(hf, gen, vocab, folder), _banned(hf, gen), hf)

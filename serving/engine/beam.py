@@ -12,8 +12,9 @@ an independent reference over the PyTorch model:
 - each step ranks the candidates (beam, token) of all live beams by score and takes the best 2k;
   walking them in order, a candidate ending the sequence (eos or a stop id) becomes a finished hypothesis
   if its rank is < k, any other candidate extends a live beam, until k live beams are found;
-- the search stops once k hypotheses have finished (STOP) or after max_new_tokens steps, where the live
-  beams join the finished ones (LENGTH);
+- the search stops once k hypotheses have finished before the last step (STOP), or after max_new_tokens steps,
+  where the live beams join the finished ones, as in Hugging Face's generate, where every top candidate at the
+  length limit finishes (the reason is then STOP if the best hypothesis ended with an end token, else LENGTH);
 - hypotheses are ranked by score / length ** length_penalty, length counting the generated tokens
   including the final eos; returned tokens exclude the eos.
 
@@ -87,19 +88,22 @@ class BeamSearch:
                 break
         self.steps += 1
         self.beams, self.scores = beams, np.asarray(scores, dtype=np.float64)
-        if len(self.finished) >= k:
-            self.reason = FinishReason.STOP
-        elif self.steps >= self.max_new_tokens:
-            self.reason = FinishReason.LENGTH
+        if self.steps >= self.max_new_tokens:
+            # every live beam finishes too (Hugging Face's generate: each top candidate at the limit is done)
             self.finished.extend((tuple(t), float(s)) for t, s in zip(self.beams, self.scores))
+            best = self.hypotheses_raw()[0][0]
+            self.reason = FinishReason.STOP if best and best[-1] in self.end_ids else FinishReason.LENGTH
+        elif len(self.finished) >= k:
+            self.reason = FinishReason.STOP
         return np.asarray(parents, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+
+    def hypotheses_raw(self) -> list[tuple[tuple[int, ...], float]]:
+        """Every finished hypothesis, best first: (tokens with their end token, normalized score)."""
+        ranked = [(toks, raw / (len(toks) ** self.length_penalty)) for toks, raw in self.finished]
+        ranked.sort(key=lambda h: -h[1])  # stable: earlier-finished first on ties
+        return ranked
 
     def hypotheses(self) -> tuple[Hypothesis, ...]:
         """The n-best finished hypotheses, best first: (tokens without the end token, normalized score)."""
-        ranked = []
-        for toks, raw in self.finished:
-            norm = raw / (len(toks) ** self.length_penalty)
-            body = toks[:-1] if toks and toks[-1] in self.end_ids else toks
-            ranked.append((body, norm))
-        ranked.sort(key=lambda h: -h[1])  # stable: earlier-finished first on ties
-        return tuple(ranked[: self.n_best])
+        return tuple((toks[:-1] if toks and toks[-1] in self.end_ids else toks, norm)
+                     for toks, norm in self.hypotheses_raw()[: self.n_best])
