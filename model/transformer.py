@@ -1,7 +1,8 @@
 """The Transformer of "Attention Is All You Need", written from scratch.
 
 Owns: sinusoidal positional encoding, scaled dot-product multi-head attention, the causal mask, cross
-attention, Add & Norm, the ReLU feed-forward, the output projection; an encoder-decoder (translation) and a
+attention, Add & Norm, the ReLU feed-forward, the output projection (and the options imported Marian models
+need: other activations, positions laid out in halves, unscaled embeddings, a logits bias); an encoder-decoder (translation) and a
 decoder-only LM built from the same blocks; and the incremental (KV-cache) decoding path.
 
 The cached path is written exactly as the exported ONNX graph works (export/ traces it), so PyTorch and
