@@ -65,8 +65,14 @@ class SentencePieceTokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        pieces = [self.pieces.get(int(i)) or self.target.id_to_piece(int(i)) for i in ids if int(i) not in self._skip]
+        pieces = [self._piece(int(i)) for i in ids if int(i) not in self._skip]
         return self.target.decode_pieces(pieces).replace("\u2581", " ").strip() if pieces else ""
+
+    def _piece(self, i: int) -> str:
+        """vocab.json's piece; else, as MarianTokenizer does, target.spm's piece of that id (or `<unk>`)."""
+        if i in self.pieces:
+            return self.pieces[i]
+        return self.target.id_to_piece(i) if 0 <= i < self.target.get_piece_size() else "<unk>"
 
     def token_bytes(self, token_id: int) -> str:
         return self.decode([token_id])

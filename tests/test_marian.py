@@ -190,3 +190,20 @@ def test_serving_a_sentencepiece_bundle_needs_neither_torch_nor_transformers(spm
             f"assert not {{'torch', 'transformers'}} & set(sys.modules), 'serving imported torch or transformers'")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_translate_cuts_a_source_longer_than_the_model_and_says_which_line():
+    import io
+
+    from kvserve.translate import source_ids
+
+    class Tok:
+        pad_id, eos_id = 9, 0
+
+        def encode(self, text: str) -> list[int]:
+            return [5] * len(text.split()) + [self.eos_id]
+
+    warn = io.StringIO()
+    assert source_ids(Tok(), "a b c", 8, 3, warn) == [5, 5, 5, 0] and warn.getvalue() == ""
+    assert source_ids(Tok(), "a " * 10, 4, 7, warn) == [5, 5, 5, 0]  # cut, its </s> kept
+    assert "line 7 has 11 tokens" in warn.getvalue()
