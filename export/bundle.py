@@ -4,7 +4,8 @@
                            input/output contract, opset, variant, sha256 of every file, source checkpoint
                            hash, parity figures measured at export, the bundle's `version` (a hash of its
                            content: the same weights exported twice have the same version) and `created`
-    BUNDLE/tokenizer.json
+    BUNDLE/tokenizer.json  (or, for imported Marian models: vocab.json, source.spm, target.spm; see
+                           manifest["tokenizer"]["kind"])
     BUNDLE/encoder.onnx    (translation only)
     BUNDLE/decoder.onnx
 
@@ -31,6 +32,7 @@ from export.contract import (DECODER_CPU_FILE, FORMAT_VERSION, MANIFEST_FILE, Di
 from model.config import Arch, ModelConfig
 
 TASKS = ("translate", "generate")
+TOKENIZER_KINDS = ("bpe", "sentencepiece")
 
 
 class BundleError(ValueError):
@@ -83,6 +85,8 @@ class Bundle:
     special_ids: dict[str, int]  # pad, bos, eos, unk
     paths: dict[str, Path]  # graph name ("encoder", "decoder") -> file
     tokenizer_path: Path
+    tokenizer_kind: str = "bpe"  # "bpe" (model/tokenizer.py) or "sentencepiece" (model/spm_tokenizer.py)
+    banned_ids: tuple[int, ...] = ()  # token ids never generated (an imported Marian model's bad_words_ids)
 
     @property
     def version(self) -> str:
@@ -107,6 +111,16 @@ class Bundle:
     def contracts(self) -> dict[str, dict[str, Any]]:
         return self.manifest["graphs"]
 
+    def load_tokenizer(self) -> Any:
+        """The bundle's tokenizer: model.tokenizer.Tokenizer or model.spm_tokenizer.SentencePieceTokenizer."""
+        if self.tokenizer_kind == "sentencepiece":
+            from model.spm_tokenizer import SentencePieceTokenizer
+
+            return SentencePieceTokenizer(self.dir, self.special_ids)
+        from model.tokenizer import Tokenizer
+
+        return Tokenizer.load(self.tokenizer_path)
+
     def read_graph(self, name: str) -> bytes:
         """The graph's bytes, checked against the manifest hash again (what is hashed is what is loaded)."""
         path = self.paths[name]
@@ -119,9 +133,10 @@ class Bundle:
 
 
 def content_version(doc: dict[str, Any]) -> str:
-    """A bundle's version: 12 hex digits of a hash over what it serves (task, variant, model config and the
-    sha256 of every file). Re-exporting the same weights gives the same version; any other change, a new one."""
-    served = {k: doc.get(k) for k in ("task", "variant", "model_config", "files")}
+    """A bundle's version: 12 hex digits of a hash over what it serves (task, variant, model config, generation
+    settings and the sha256 of every file). Re-exporting the same weights gives the same version; any other
+    change, a new one."""
+    served = {k: doc[k] for k in ("task", "variant", "model_config", "files", "generation") if k in doc}
     return hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -207,15 +222,28 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
             raise BundleError(f"bundle {bundle_dir}: graph file {c['file']} is not listed in {MANIFEST_FILE}")
         paths[name] = bundle_dir / c["file"]
     tok = doc["tokenizer"]
-    if tok.get("file") not in doc["files"]:
-        raise BundleError(f"bundle {bundle_dir}: tokenizer file {tok.get('file')!r} is not listed in "
-                          f"{MANIFEST_FILE}")
+    kind = tok.get("kind", "bpe")
+    if kind not in TOKENIZER_KINDS:
+        raise BundleError(f"bundle {bundle_dir}: tokenizer kind {kind!r} is not one of {TOKENIZER_KINDS}")
+    for name in [tok.get("file"), *tok.get("files", [])]:
+        if name not in doc["files"]:
+            raise BundleError(f"bundle {bundle_dir}: tokenizer file {name!r} is not listed in {MANIFEST_FILE}")
+    banned = tuple(int(i) for i in doc.get("generation", {}).get("banned_ids", []))
+    if any(not 0 <= i < cfg.vocab_size for i in banned):
+        raise BundleError(f"bundle {bundle_dir}: generation.banned_ids {list(banned)} must be token ids in "
+                          f"[0, {cfg.vocab_size})")
+    _check_version(bundle_dir, doc)
+    return Bundle(dir=bundle_dir, manifest=doc, model_config=doc["model_config"], task=task, variant=variant,
+                  special_ids=dict(tok["special_ids"]), paths=paths, tokenizer_path=bundle_dir / tok["file"],
+                  tokenizer_kind=kind, banned_ids=banned)
+
+
+def _check_version(bundle_dir: Path, doc: dict[str, Any]) -> None:
+    """Give a manifest without a version (written before versions existed) its version; refuse an edited one."""
     version = content_version(doc)
     if doc.setdefault("version", version) != version:
         raise BundleError(f"bundle {bundle_dir}/{MANIFEST_FILE} says version {doc['version']!r}, but its content "
                           f"hashes to {version!r}: the manifest was edited; re-export the bundle")
-    return Bundle(dir=bundle_dir, manifest=doc, model_config=doc["model_config"], task=task, variant=variant,
-                  special_ids=dict(tok["special_ids"]), paths=paths, tokenizer_path=bundle_dir / tok["file"])
 
 
 def check_graph_io(contract: dict[str, Any], inputs: list[tuple[str, str, list]],

@@ -88,6 +88,10 @@ def build_spec(model: EncoderDecoder | DecoderOnlyLM, vocabulary: list[str]) -> 
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
+    options = {"activation": "relu", "positions": "interleaved", "scale_embedding": True, "logits_bias": False}
+    other = {k: getattr(cfg, k) for k, v in options.items() if getattr(cfg, k) != v}
+    if other:  # an imported model's options: CTranslate2 converts Marian checkpoints itself (ct2-transformers-converter)
+        raise ValueError(f"this converter maps kvserve's own models only; model options {other} are not mapped")
     relu = common_spec.Activation.RELU
     if isinstance(model, EncoderDecoder):
         spec = transformer_spec.TransformerSpec.from_config(

@@ -161,10 +161,9 @@ def evaluate_bundle(bundle_dir: str | Path, make_runtime: RuntimeFactory, split:
     character (first `limit` characters, default the whole split)."""
     from export.bundle import load_bundle
     from model import data
-    from model.tokenizer import Tokenizer
 
     bundle = load_bundle(bundle_dir)
-    tok = Tokenizer.load(bundle.tokenizer_path)
+    tok = bundle.load_tokenizer()
     rt = make_runtime(bundle, batch_size)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"bundle": str(bundle_dir), "task": bundle.task, "variant": bundle.variant.value,

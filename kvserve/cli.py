@@ -4,6 +4,8 @@
     kvserve train     train a model (needs the `train` extra: torch)
     kvserve evaluate  test-split quality of a checkpoint (PyTorch) or a bundle (ONNX Runtime)
     kvserve export    checkpoint -> verified ONNX model bundle (or CTranslate2 model)
+    kvserve import    a Hugging Face Marian / OPUS-MT checkpoint -> verified model bundle
+    kvserve translate translate stdin to stdout (a sentence per line) with a translation bundle, in-process
     kvserve serve     serve bundles with Ray Serve
     kvserve up        what `make serve` runs: data, train and export if missing, then serve
     kvserve loadtest  load-test a running server
@@ -76,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_data, _add_train, _add_evaluate, _add_up):
         add(sub)
     # Subcommands whose parser lives with their code; one whose module is not installed is left out.
-    for module in ("kvserve.export", "kvserve.serve", "loadtest.cli", "bench.cli"):
+    for module in ("kvserve.export", "kvserve.importer", "kvserve.translate", "kvserve.serve", "loadtest.cli",
+                   "bench.cli"):
         _register(sub, module)
     return p
 

@@ -3,8 +3,10 @@
     data_sources.py    where the training text comes from, fetched once and parsed (torch-free)
     data.py            deduplication, deterministic splits, reading them back (torch-free)
     tokenizer.py       byte-level BPE (torch-free)
+    spm_tokenizer.py   Marian's SentencePiece tokenizer, for imported bundles (torch-free)
     config.py          the model's shape and presets
     transformer.py     the encoder-decoder and decoder-only Transformer
+    marian.py          Hugging Face Marian / OPUS-MT checkpoints -> the encoder-decoder (checks, weight mapping)
     train.py           the training loop, `train(recipe(task))`; its parts:
       train_config.py    TrainConfig and the default RECIPES
       train_state.py     a run between steps: start fresh or --resume, save with the train state

@@ -11,6 +11,10 @@ from enum import Enum
 from typing import Any
 
 
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")  # gelu: exact (erf); gelu_tanh: the tanh approximation
+POSITION_LAYOUTS = ("interleaved", "halves")
+
+
 class Arch(str, Enum):
     ENCODER_DECODER = "encoder_decoder"  # translation
     DECODER_ONLY = "decoder_only"  # language model (generation)
@@ -32,6 +36,11 @@ class ModelConfig:
     pre_norm: bool = True  # False = post-norm, as in the paper
     tie_embeddings: bool = True  # share source/target embeddings and the output projection
     pad_id: int = 0
+    # Options of imported models (model/marian.py); the defaults are the reference notes' model.
+    activation: str = "relu"  # the feed-forward's: one of ACTIVATIONS
+    positions: str = "interleaved"  # sinusoid layout: "interleaved" (sin even dims, cos odd) or "halves" (Marian)
+    scale_embedding: bool = True  # token embeddings times sqrt(d_model)
+    logits_bias: bool = False  # a bias on the output logits (Marian's final_logits_bias)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -40,6 +49,12 @@ class ModelConfig:
             p = getattr(self, name)
             if p is not None and not 0.0 <= p < 1.0:
                 raise ValueError(f"{name}={p} must be in [0, 1)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not supported; choose one of {ACTIVATIONS}")
+        if self.positions not in POSITION_LAYOUTS:
+            raise ValueError(f"positions={self.positions!r} is not supported; choose one of {POSITION_LAYOUTS}")
+        if self.d_model % 2:
+            raise ValueError(f"d_model={self.d_model} must be even (sinusoidal positions pair sin and cos)")
         if isinstance(self.arch, str) and not isinstance(self.arch, Arch):
             object.__setattr__(self, "arch", Arch(self.arch))
 

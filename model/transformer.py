@@ -1,7 +1,8 @@
 """The Transformer of "Attention Is All You Need", written from scratch.
 
 Owns: sinusoidal positional encoding, scaled dot-product multi-head attention, the causal mask, cross
-attention, Add & Norm, the ReLU feed-forward, the output projection; an encoder-decoder (translation) and a
+attention, Add & Norm, the ReLU feed-forward, the output projection (and the options imported Marian models
+need: other activations, positions laid out in halves, unscaled embeddings, a logits bias); an encoder-decoder (translation) and a
 decoder-only LM built from the same blocks; and the incremental (KV-cache) decoding path.
 
 The cached path is written exactly as the exported ONNX graph works (export/ traces it), so PyTorch and
@@ -39,15 +40,22 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(allowed, torch.zeros((), dtype=dtype), torch.full((), neg_inf(dtype), dtype=dtype))
 
 
-def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
-    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d))."""
+def sinusoidal_table(max_len: int, d_model: int, layout: str = "interleaved") -> Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)) ("interleaved", the paper's);
+    "halves" puts the same sines in the first half and the cosines in the second (Marian's layout)."""
     pos = torch.arange(max_len, dtype=torch.float64)[:, None]
     i2 = torch.arange(0, d_model, 2, dtype=torch.float64)
     angle = pos / torch.pow(10000.0, i2 / d_model)  # (max_len, d/2)
+    if layout == "halves":
+        return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1).float()
     pe = torch.zeros(max_len, d_model, dtype=torch.float64)
     pe[:, 0::2] = torch.sin(angle)
     pe[:, 1::2] = torch.cos(angle[:, : d_model // 2])
     return pe.float()
+
+
+ACTIVATION_FNS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                  "silu": F.silu}
 
 
 def kv_write(buf: Tensor, new: Tensor, write_pos: Tensor) -> Tensor:
@@ -155,15 +163,16 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN: expand to d_ff, ReLU, project back."""
+    """Position-wise FFN: expand to d_ff, ReLU (or the configured activation), project back."""
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
+    def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str = "relu") -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
         self.drop = Dropout(dropout)
+        self.act = ACTIVATION_FNS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.drop(F.relu(self.fc1(x))))
+        return self.fc2(self.drop(self.act(self.fc1(x))))
 
 
 class Residual(nn.Module):
@@ -189,7 +198,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_p)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.act_p)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.act_p, cfg.activation)
         self.res1 = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.res2 = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
@@ -205,7 +214,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_p)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_p) if cross else None
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.act_p)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.act_p, cfg.activation)
         self.res_self = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.res_cross = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm) if cross else None
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
@@ -228,14 +237,15 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding scaled by sqrt(d_model) plus the fixed sinusoidal positional encoding."""
+    """Token embedding scaled by sqrt(d_model) (unless cfg.scale_embedding is off) plus the fixed sinusoidal
+    positional encoding."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         nn.init.normal_(self.tok.weight, std=cfg.d_model ** -0.5)
-        self.register_buffer("pe", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False)
-        self.scale = math.sqrt(cfg.d_model)
+        self.register_buffer("pe", sinusoidal_table(cfg.max_len, cfg.d_model, cfg.positions), persistent=False)
+        self.scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
         self.drop = Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, positions: Tensor | None = None) -> Tensor:
@@ -255,7 +265,9 @@ class Decoder(nn.Module):
         self.cfg, self.embed = cfg, embed
         self.layers = nn.ModuleList(DecoderLayer(cfg, cross) for _ in range(cfg.n_decoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.logits_bias)
+        if cfg.logits_bias:
+            nn.init.zeros_(self.lm_head.bias)
         if cfg.tie_embeddings:
             self.lm_head.weight = embed.tok.weight
 

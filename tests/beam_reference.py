@@ -4,7 +4,7 @@ Every step recomputes each live hypothesis from scratch (bos + its tokens, one d
 prefix with a fresh cache), so no KV reordering is involved: it checks the engine's slot copies too. It
 implements the spec written in serving/engine/beam.py's docstring: summed log-probabilities (float64), the best
 k * (1 + number of end ids) candidates per step, end candidates of rank < k finish, stop once k have
-finished or after max_new_tokens steps, rank by score / length ** length_penalty (length including the end
+finished before the last step, after max_new_tokens steps the live beams join the finished ones, rank by score / length ** length_penalty (length including the end
 token), returned tokens without it.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def reference_beam_search(model: EncoderDecoder, src: list[int], bos: int, end_i
     hyps: list[list[int]] = [[]]
     scores = torch.zeros(1, dtype=torch.float64)
     finished: list[tuple[list[int], float]] = []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         nb = len(hyps)
         ids = torch.tensor([[bos] + h for h in hyps])  # (nb, t + 1): the whole prefix, recomputed
         t = ids.shape[1]
@@ -49,9 +49,9 @@ def reference_beam_search(model: EncoderDecoder, src: list[int], bos: int, end_i
             if len(new_hyps) == k:
                 break
         hyps, scores = new_hyps, torch.tensor(new_scores, dtype=torch.float64)
-        if len(finished) >= k:
+        if len(finished) >= k and step + 1 < max_new_tokens:
             break
-    else:
+    else:  # the length limit: the live beams join the finished ones, even when k have finished at this step
         finished += list(zip(hyps, scores.tolist()))
     ranked = sorted(((tuple(h[:-1] if h and h[-1] in end_ids else h), s / len(h) ** length_penalty)
                      for h, s in finished), key=lambda x: -x[1])

@@ -34,7 +34,7 @@ class InProcessServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="inprocess-app", daemon=True)
         self._thread.start()
         self.engines: dict[str, Engine] = {}
-        self.call(self._start())
+        self.call(self._start(), timeout=600.0)  # exports the tiny bundles on first use: minutes on a busy machine
 
     def call(self, coro: Any, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -6,13 +6,15 @@ and the new token. Reordering beams is then a KV slot copy (runtime.copy_slots),
 
 The algorithm (fairseq/Hugging Face "early stopping" beam search), which tests/test_beam.py checks against
 an independent reference over the PyTorch model:
-- scores are summed log-probabilities (log_softmax in float64 of the float32 logits);
+- scores are summed log-probabilities (log_softmax in float64 of the float32 logits); banned token ids (an
+  imported model's bad_words_ids) get -inf after the log_softmax, as Hugging Face's logits processors do;
 - the first step expands only beam 0 (all beams hold the same prefix);
 - each step ranks the candidates (beam, token) of all live beams by score and takes the best 2k;
   walking them in order, a candidate ending the sequence (eos or a stop id) becomes a finished hypothesis
   if its rank is < k, any other candidate extends a live beam, until k live beams are found;
-- the search stops once k hypotheses have finished (STOP) or after max_new_tokens steps, where the live
-  beams join the finished ones (LENGTH);
+- the search stops once k hypotheses have finished before the last step (STOP), or after max_new_tokens steps,
+  where the live beams join the finished ones, as in Hugging Face's generate, where every top candidate at the
+  length limit finishes (the reason is then STOP if the best hypothesis ended with an end token, else LENGTH);
 - hypotheses are ranked by score / length ** length_penalty, length counting the generated tokens
   including the final eos; returned tokens exclude the eos.
 
@@ -44,6 +46,7 @@ class BeamSearch:
     end_ids: frozenset[int]  # eos and stop token ids
     length_penalty: float = 1.0
     n_best: int = 1
+    banned_ids: tuple[int, ...] = ()  # never chosen (set to -inf after the log_softmax)
     beams: list[list[int]] = field(default_factory=lambda: [[]])  # live beams' generated tokens
     scores: np.ndarray = field(default_factory=lambda: np.zeros(1))
     finished: list[tuple[tuple[int, ...], float]] = field(default_factory=list)  # (tokens incl. end, raw)
@@ -62,6 +65,8 @@ class BeamSearch:
         """
         k = self.beam_size
         logp = log_softmax(logits[: len(self.beams)])
+        if self.banned_ids:
+            logp[:, list(self.banned_ids)] = -np.inf
         cand = (self.scores[:, None] + logp).ravel()  # (nb * V,)
         # 2k candidates with one end token (k * (1 + #end ids) in general) always hold k that continue.
         n = min(k * (1 + len(self.end_ids)), cand.shape[0])
@@ -83,19 +88,22 @@ class BeamSearch:
                 break
         self.steps += 1
         self.beams, self.scores = beams, np.asarray(scores, dtype=np.float64)
-        if len(self.finished) >= k:
-            self.reason = FinishReason.STOP
-        elif self.steps >= self.max_new_tokens:
-            self.reason = FinishReason.LENGTH
+        if self.steps >= self.max_new_tokens:
+            # every live beam finishes too (Hugging Face's generate: each top candidate at the limit is done)
             self.finished.extend((tuple(t), float(s)) for t, s in zip(self.beams, self.scores))
+            best = self.hypotheses_raw()[0][0]
+            self.reason = FinishReason.STOP if best and best[-1] in self.end_ids else FinishReason.LENGTH
+        elif len(self.finished) >= k:
+            self.reason = FinishReason.STOP
         return np.asarray(parents, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+
+    def hypotheses_raw(self) -> list[tuple[tuple[int, ...], float]]:
+        """Every finished hypothesis, best first: (tokens with their end token, normalized score)."""
+        ranked = [(toks, raw / (len(toks) ** self.length_penalty)) for toks, raw in self.finished]
+        ranked.sort(key=lambda h: -h[1])  # stable: earlier-finished first on ties
+        return ranked
 
     def hypotheses(self) -> tuple[Hypothesis, ...]:
         """The n-best finished hypotheses, best first: (tokens without the end token, normalized score)."""
-        ranked = []
-        for toks, raw in self.finished:
-            norm = raw / (len(toks) ** self.length_penalty)
-            body = toks[:-1] if toks and toks[-1] in self.end_ids else toks
-            ranked.append((body, norm))
-        ranked.sort(key=lambda h: -h[1])  # stable: earlier-finished first on ties
-        return tuple(ranked[: self.n_best])
+        return tuple((toks[:-1] if toks and toks[-1] in self.end_ids else toks, norm)
+                     for toks, norm in self.hypotheses_raw()[: self.n_best])

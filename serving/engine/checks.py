@@ -33,13 +33,15 @@ class RequestLimits:
     max_prompt_tokens: int
     max_new_tokens: int
     max_beam_size: int  # min(the config's max_beam_size, the engine's KV slots)
+    banned_ids: tuple[int, ...] = ()  # token ids the model never generates (the bundle's generation.banned_ids)
 
     @classmethod
     def of(cls, runtime: Any, config: EngineConfig) -> "RequestLimits":
         return cls(vocab_size=runtime.vocab_size, bos_id=runtime.bos_id, eos_id=runtime.eos_id,
                    max_len=runtime.max_len, max_src_len=getattr(runtime, "max_src_len", None) or runtime.max_len,
                    is_encoder_decoder=runtime.is_encoder_decoder, max_prompt_tokens=config.max_prompt_tokens,
-                   max_new_tokens=config.max_new_tokens, max_beam_size=min(config.max_beam_size, config.max_slots))
+                   max_new_tokens=config.max_new_tokens, max_beam_size=min(config.max_beam_size, config.max_slots),
+                   banned_ids=tuple(getattr(runtime, "banned_ids", ())))
 
 
 def _ids_ok(ids: object, vocab: int) -> bool:
@@ -112,7 +114,7 @@ def check_request(req: GenerationRequest, lim: RequestLimits) -> RequestState:
     state = RequestState(req=req, handle=None, decoder_prompt=decoder_prompt, source=source, end_ids=end_ids,
                          plain=is_plain_greedy(p))
     if p.beam_size > 1:
-        state.beam = BeamSearch(p.beam_size, p.max_new_tokens, end_ids, p.length_penalty, p.n_best)
+        state.beam = BeamSearch(p.beam_size, p.max_new_tokens, end_ids, p.length_penalty, p.n_best, lim.banned_ids)
     elif not state.plain:
         state.rng = make_generator(p.seed)
     return state

@@ -5,7 +5,9 @@ per-slot decode inputs (last token, cached length) as numpy arrays so that build
 slice, not a Python loop; the slot copies (compaction moves, beam reorders) on the runtime and on those
 arrays; the encoder run for joiners, the decode call on rows [0, D) and the prefill call on the joiners'
 rows [D, D + n) (one call for both when every joiner prefills a single token, as translation joiners do);
-the batched argmax of plain greedy rows, per-row sampling and beam advances.
+the batched argmax of plain greedy rows, per-row sampling and beam advances; the runtime's banned token ids
+(an imported model's bad_words_ids) get -inf before greedy and sampling, and after the log_softmax in beam search
+(serving/engine/beam.py), as Hugging Face's generate applies them.
 
 Does not own: which rows run (serving/engine/scheduler.py), events, finishing requests (serving/engine/engine.py).
 Everything it touches belongs to the step in flight: the engine's event-loop thread waits for it.
@@ -85,6 +87,24 @@ class StepRunner:
         self.pending: list[tuple[list[tuple[int, int]], bool]] = []
         self._reorders: list[tuple[int, int]] = []  # this step's beam reorders
         self._launched: Callable[[], None] | None = None  # this step's start signal, not yet given
+        self.banned = np.asarray(getattr(runtime, "banned_ids", ()), dtype=np.int64)
+
+    def _ban(self, logits: np.ndarray) -> np.ndarray | None:
+        """Set the banned columns to -inf in place; returns their raw values (for beam search) or None."""
+        if not self.banned.size:
+            return None
+        raw = logits[:, self.banned].copy()
+        logits[:, self.banned] = -np.inf
+        return raw
+
+    def _raw_rows(self, logits: np.ndarray, raw: np.ndarray | None, rows: Seq[int] | slice) -> np.ndarray:
+        """Rows of the logits as the model gave them (banned columns restored): beam search bans after its
+        log_softmax."""
+        out = logits[rows]
+        if raw is not None:
+            out = out.copy()
+            out[:, self.banned] = raw[rows]
+        return out
 
     def queue_moves(self, batches: list[list[tuple[int, int]]]) -> None:
         self.pending.extend((b, True) for b in batches if b)
@@ -147,6 +167,7 @@ class StepRunner:
         return out
 
     def _pick_decode(self, logits: np.ndarray, rows: list[Sequence], out: StepResult) -> None:
+        raw = self._ban(logits)
         tokens = greedy(logits)  # (D,): every plain-greedy row is done here, in one call
         for r, seq in enumerate(rows):
             if seq.phase == Phase.HELD:
@@ -154,7 +175,7 @@ class StepRunner:
             st: RequestState = seq.payload
             if st.beam is not None:
                 if seq.slots[0] == r:  # once per beam request, at its first row
-                    self._advance_beam(seq, logits[seq.slots])
+                    self._advance_beam(seq, self._raw_rows(logits, raw, seq.slots))
                     out.beams.append(seq)
                 continue
             if not st.plain:
@@ -196,6 +217,7 @@ class StepRunner:
         return ids, lens, wpos
 
     def _pick_prefill(self, logits: np.ndarray, start: int, chunks: list[Chunk], out: StepResult) -> None:
+        raw = self._ban(logits)
         tokens = greedy(logits)
         r = 0
         for c in chunks:
@@ -203,7 +225,7 @@ class StepRunner:
             if c.completes:
                 if st.beam is not None:
                     # after prefill every beam row holds the same cache: no reorder copies needed
-                    self._advance_beam(seq, logits[r: r + 1], reorder=False)
+                    self._advance_beam(seq, self._raw_rows(logits, raw, slice(r, r + 1)), reorder=False)
                     self.last[start + r: start + r + seq.width] = st.beam_tokens
                     out.beams.append(seq)
                 else:

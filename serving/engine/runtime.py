@@ -221,6 +221,11 @@ class ModelRuntime:
         return self.bundle.special_ids["pad"]
 
     @property
+    def banned_ids(self) -> tuple[int, ...]:
+        """Token ids never generated (the bundle's generation.banned_ids; the engine applies them)."""
+        return self.bundle.banned_ids
+
+    @property
     def provider(self) -> str:
         return self._provider
 

@@ -21,7 +21,6 @@ from typing import Any
 from ray import serve
 
 from export.bundle import load_bundle
-from model.tokenizer import Tokenizer
 from serving.engine.config import BatchingKnobs
 from serving.engine.engine import Engine
 from serving.engine.types import GenerationRequest, SamplingParams
@@ -46,7 +45,7 @@ class ModelDeployment:
         config = engine_config(self.spec, self.live, self.limits)
         self.engine = await asyncio.to_thread(Engine.from_bundle, bundle_dir, config)
         await self.engine.start()
-        tokenizer = Tokenizer.load(bundle.tokenizer_path)
+        tokenizer = bundle.load_tokenizer()
         self.service = ModelService(self.spec.name, self.engine, tokenizer, self.limits.max_prompt_tokens,
                                     Recorder("ray"), version=self.version)
         await self._warm_up(tokenizer)
