@@ -34,6 +34,7 @@ from model.validation import better, validate, validate_average
 __all__ = ["TrainConfig", "recipe", "train"]
 
 LOG_EVERY = 25  # steps per train-loss entry in the history (the mean over those steps' tokens)
+PACE_STEPS = (5, 30)  # the speed is measured between these steps of a (re)start: after the first steps' one-time costs
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> dict:
@@ -59,6 +60,7 @@ def run_steps(run: TrainRun, batcher: Batcher) -> None:
     bar = tqdm(total=cfg.steps, initial=run.step, desc=f"train {cfg.task}", unit="step", file=sys.stderr,
                mininterval=2.0)
     loss_sum, n_tokens = 0.0, 0
+    first, pace_t0 = run.step, None
     while run.step < cfg.steps:
         lr = set_lr(run.opt, run.step, run.elapsed, cfg)
         loss, ntok = train_step(run.model, run.opt, batcher.batch(run.step), cfg, run.tok.pad_id)
@@ -68,6 +70,10 @@ def run_steps(run: TrainRun, batcher: Batcher) -> None:
         run.elapsed = elapsed0 + time.time() - t0
         loss_sum, n_tokens = loss_sum + loss.item() * ntok, n_tokens + ntok
         bar.update(1)
+        if run.step - first == PACE_STEPS[0]:
+            pace_t0 = time.time()
+        elif run.step - first == PACE_STEPS[1]:
+            bar.write(pace_line(cfg, run.step, (PACE_STEPS[1] - PACE_STEPS[0]) / (time.time() - pace_t0)))
         if run.step % LOG_EVERY == 0:
             run.history.append({"step": run.step, "train_loss": round(loss_sum / n_tokens, 4),
                                 "elapsed_s": round(run.elapsed, 1)})
@@ -83,6 +89,16 @@ def run_steps(run: TrainRun, batcher: Batcher) -> None:
             save_run(run)  # an interrupt during the final validation loses nothing
             break
     bar.close()
+
+
+def pace_line(cfg: TrainConfig, step: int, steps_per_s: float) -> str:
+    """What the rest of the run will take on this machine at the measured speed, and how to shorten it."""
+    left_s = (cfg.steps - step) / steps_per_s
+    line = (f"{cfg.task}: {steps_per_s:.2f} steps/s on this machine: the remaining {cfg.steps - step:,} of "
+            f"{cfg.steps:,} steps take ~{left_s / 60:.0f} min (plus validation every {cfg.eval_every:,} steps)")
+    if cfg.time_budget_s:
+        return line + f"; the time budget ends the run after {cfg.time_budget_s / 60:.0f} min of training"
+    return line + "; `--time-budget SECONDS` ends it sooner, with a lower quality"
 
 
 def is_last_step(run: TrainRun) -> bool:
@@ -117,6 +133,7 @@ def finish(run: TrainRun) -> dict:
             final, run.weights = final_ema, "ema"
     save_run(run, final)
     metrics = {"task": cfg.task, "preset": cfg.preset, "steps": run.step, "train_seconds": round(run.elapsed, 1),
+               "steps_per_s": round(run.step / max(run.elapsed, 1e-9), 3),
                "parameters": count_parameters(run.model), "weights": run.weights, "final": final,
                "history": run.history}
     write_report(run.out, metrics)

@@ -249,3 +249,37 @@ def test_fused_loss_refuses_a_smoothing_outside_0_1():
 
     with pytest.raises(ValueError, match="label smoothing must be in"):
         smoothed_cross_entropy(torch.zeros(2, 3), torch.tensor([1, 2]), 0, 1.0)
+
+
+def test_the_default_recipes_are_steps_not_minutes():
+    """`make serve` trains the same models on every machine: a length in optimizer steps, no clock."""
+    from model.train_config import RECIPES, recipe
+
+    assert {t: recipe(t).steps for t in RECIPES} == {"translate": 4500, "generate": 1400}
+    assert all(recipe(t).time_budget_s == 0 for t in RECIPES)
+    assert recipe("translate", time_budget_s=600).time_budget_s == 600  # the opt-in trade of quality for time
+
+
+@pytest.mark.parametrize("task", ["translate", "generate"])
+def test_the_recipe_gives_bit_identical_weights_for_the_same_seed_and_steps(tmp_path, data_dir, task, monkeypatch):
+    from model.config import PRESETS
+    from model.train_config import recipe
+
+    monkeypatch.setitem(PRESETS["tiny"], task, {**PRESETS["tiny"][task], "dropout": 0.1})  # the RNG takes part
+    kw = dict(preset="tiny", data_dir=str(data_dir), steps=6, warmup=2, eval_every=1000, vocab_size=300,
+              batch_tokens=400, lm_batch=4, lm_window=16, eval_sentences=8, threads=1)
+    for run in ("a", "b", "c"):
+        train(recipe(task, out=str(tmp_path / run), **{**kw, "seed": 9 if run == "c" else 1234}))
+    wa, wb, wc = (weights(tmp_path / run) for run in "abc")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not all(torch.equal(wa[k], wc[k]) for k in wa)  # another seed, other weights: the test can tell
+
+
+def test_the_pace_line_says_the_wait_and_how_to_shorten_it():
+    from model.train import pace_line
+
+    line = pace_line(TrainConfig(task="translate", steps=4500, eval_every=1000), 30, 2.5)
+    assert "2.50 steps/s" in line and "4,470 of 4,500 steps take ~30 min" in line and "--time-budget" in line
+    budget = pace_line(TrainConfig(steps=4500, time_budget_s=600), 30, 2.5)
+    assert "ends the run after 10 min" in budget
