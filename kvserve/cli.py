@@ -42,7 +42,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in vars(args).items()
                  if k in ("preset", "out", "data_dir", "steps", "time_budget_s", "lr", "seed", "threads",
-                          "batch_tokens", "vocab_size", "stop_at") and v is not None}
+                          "batch_tokens", "vocab_size", "stop_at", "precision") and v is not None}
     metrics = train(recipe(args.task, **overrides), resume=args.resume)
     print(json.dumps({k: v for k, v in metrics.items() if k != "history"}, indent=2))
     return 0
@@ -118,6 +118,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-tokens", dest="batch_tokens", type=int, help="translation: tokens per batch")
     t.add_argument("--vocab-size", dest="vocab_size", type=int, help="BPE vocabulary size")
     t.add_argument("--seed", type=int)
+    t.add_argument("--precision", choices=("auto", "bf16", "bf16-autocast", "fp32"),
+                   help="the step's arithmetic (default: auto, bf16 where the CPU has it natively and a measurement "
+                        "at the start does not find fp32 clearly faster); pin it to get the same weights as a run "
+                        "on another machine")
     t.add_argument("--threads", type=int, help="torch intra-op threads")
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out exactly")
     t.set_defaults(func=_cmd_train)

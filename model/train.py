@@ -25,7 +25,7 @@ from model.batching import Batcher
 from model.cpu_memory import keep_freed_memory
 from model.run_report import write_report
 from model.schedule import set_lr
-from model.step import train_step
+from model.step import choose_precision, train_step
 from model.train_config import TrainConfig, recipe
 from model.train_state import TrainRun, save_run, start_run
 from model.transformer import count_parameters
@@ -45,10 +45,22 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     keep_freed_memory()  # the same large tensors every step: no page faults for them after the first
     run = start_run(cfg, resume)
     batcher = Batcher(cfg, run.tok, run.model_config.max_len)
+    resolve_precision(run, batcher)
     print(f"{cfg.task}/{cfg.preset}: {count_parameters(run.model) / 1e6:.2f}M parameters, vocab "
-          f"{run.tok.vocab_size}, steps {run.step}->{cfg.steps}", file=sys.stderr)
+          f"{run.tok.vocab_size}, steps {run.step}->{cfg.steps}, precision {run.cfg.precision}", file=sys.stderr)
     run_steps(run, batcher)
     return finish(run)
+
+
+def resolve_precision(run: TrainRun, batcher: Batcher) -> None:
+    """Set the run's precision; "auto" is measured on the run's next batch (model/step.py choose_precision)."""
+    if run.cfg.precision != "auto":
+        run.set_precision(run.cfg.precision)
+        return
+    chosen, ms = choose_precision(run.model, batcher.batch(run.step), run.cfg, run.tok.pad_id)
+    times = ", ".join(f"{name} {v:.0f} ms" for name, v in ms.items()) if len(ms) > 1 else "no native bf16"
+    print(f"precision auto -> {chosen} (a step: {times})", file=sys.stderr)
+    run.set_precision(chosen)
 
 
 def run_steps(run: TrainRun, batcher: Batcher) -> None:
@@ -63,7 +75,7 @@ def run_steps(run: TrainRun, batcher: Batcher) -> None:
     first, pace_t0 = run.step, None
     while run.step < cfg.steps:
         lr = set_lr(run.opt, run.step, run.elapsed, cfg)
-        loss, ntok = train_step(run.model, run.opt, batcher.batch(run.step), cfg, run.tok.pad_id)
+        loss, ntok = train_step(run.model, run.opt, batcher.batch(run.step), cfg, run.tok.pad_id, twin=run.twin)
         if run.avg:
             run.avg.update(run.step)
         run.step += 1
@@ -133,7 +145,7 @@ def finish(run: TrainRun) -> dict:
             final, run.weights = final_ema, "ema"
     save_run(run, final)
     metrics = {"task": cfg.task, "preset": cfg.preset, "steps": run.step, "train_seconds": round(run.elapsed, 1),
-               "steps_per_s": round(run.step / max(run.elapsed, 1e-9), 3),
+               "steps_per_s": round(run.step / max(run.elapsed, 1e-9), 3), "precision": cfg.precision,
                "parameters": count_parameters(run.model), "weights": run.weights, "final": final,
                "history": run.history}
     write_report(run.out, metrics)
