@@ -61,7 +61,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[
 def choose_precision(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], cfg: TrainConfig,
                      pad: int) -> tuple[str, dict[str, float]]:
     """Resolve the precision "auto" (model/precision.py) by timing a few steps of a copy of the model on `batch`
-    in fp32 and in bf16; returns the choice and the ms per step measured. The model and torch's RNG are left as
+    in fp32 and in bf16 autocast; returns the choice and the ms per step measured. The model and torch's RNG are left as
     they were."""
     probe = copy.deepcopy(model)
     opt = make_optimizer(probe, cfg)

@@ -33,8 +33,8 @@ class TrainConfig:
     seed: int = 1234  # model initialisation, batch order and dropout
     threads: int = 0  # 0 = torch default
     stop_at: int = 0  # > 0: stop (and save) after this step, keeping the schedule of `steps` (for --resume)
-    precision: str = "fp32"  # "fp32", "bf16" (a bf16 twin, fp32 master weights), "bf16-autocast" or "auto"
-    # (bf16 where the CPU has it natively and fp32 is not clearly faster, measured at the start): model/precision.py
+    precision: str = "fp32"  # "fp32", "bf16-autocast", "bf16" (a bf16 twin, fp32 master weights) or "auto"
+    # (bf16 autocast where the CPU has it natively and fp32 is not clearly faster at the start): model/precision.py
     ema: float = 0.0  # > 0: also keep an exponential moving average of the weights; the better on valid is kept
 
     def __post_init__(self) -> None:
