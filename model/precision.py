@@ -13,7 +13,7 @@ and `choose_precision`, which picks between fp32 and bf16 on this CPU by a short
   (AVX512-BF16 or AMX, as torch's oneDNN reports it) and a measurement on the run's first batch does not find
   fp32 clearly faster; otherwise "fp32". The twin ("bf16") is opt-in: over the first 150 steps of the LM recipe
   its loss matched autocast's to the third decimal (valid 2.991 bits/char at step 100 in both, 2026-12-01), but
-  its speed-up is not established (docs/training.md).
+  its step was only 1.03x faster here (1.10x in the quietest rounds; docs/training.md).
 
 Owns the precisions and their choice. Does not own the step itself (model/step.py), which runs whichever it is
 given. A run records the precision it chose (its TrainConfig), and --resume keeps it.
