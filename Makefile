@@ -25,8 +25,9 @@ data: venv
 	$(BIN)/kvserve data --task generate --out $(ART)/data
 
 # Binds 127.0.0.1 (this machine only); `make serve HOST=0.0.0.0` serves beyond it (set an API key first).
+# `make serve TIME_BUDGET=600` caps each model's training at 600 s (faster, lower quality; default: the recipes' steps).
 serve: venv
-	$(BIN)/kvserve up --artifacts $(ART) $(if $(HOST),--host $(HOST))
+	$(BIN)/kvserve up --artifacts $(ART) $(if $(HOST),--host $(HOST)) $(if $(TIME_BUDGET),--time-budget $(TIME_BUDGET))
 
 bench: venv
 	$(BIN)/kvserve bench --artifacts $(ART) --out docs/benchmarks.md

@@ -1,7 +1,8 @@
 """`kvserve up` (what `make serve` runs): whatever is missing is made, then both models are served.
 
     data      artifacts/data/{translate,generate}      kvserve data
-    train     artifacts/ckpt/{translate,generate}      kvserve train   (one after the other, two cores each)
+    train     artifacts/ckpt/{translate,generate}      kvserve train   (one after the other, two cores each, the
+                                                                       recipes' steps or --time-budget)
     export    artifacts/bundles/{translate,generate}   kvserve export
     serve     Ray Serve on http://127.0.0.1:8000       kvserve serve   (--host to bind beyond loopback)
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 TASKS = ("translate", "generate")
+PACE_STEPS = (5, 30)  # as model/train.py (which needs torch; this module does not)
 
 
 def _kvserve(*args: str) -> list[str]:
@@ -30,14 +32,24 @@ def _run(cmd: list[str], what: str) -> None:
     print(f"==> {what}: done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
 
-def _train_missing(art: Path, tasks: list[str], preset: str) -> None:
-    """Train the missing models one after the other, each on both cores with its own time budget
-    (`model/train_config.py` RECIPES: 19 + 10 minutes). Measured here (bf16): a run alone on two cores makes 3.1
-    steps/s, each of two runs at once on one core 2.2, so one at a time trains each model more."""
+def _train_missing(art: Path, tasks: list[str], preset: str, time_budget_s: float | None = None) -> None:
+    """Train the missing models one after the other, each on both cores for its recipe's optimizer steps
+    (`model/train_config.py` RECIPES), or until `time_budget_s` of training each. Measured (bf16): a run alone on
+    two cores made 3.1 steps/s, each of two runs at once on one core 2.2, so one at a time trains each model more."""
+    from model.train_config import RECIPES  # torch-free
+
+    plan = ", then ".join(f"{t} ({RECIPES[t]['steps']:,} steps)" for t in tasks)
+    budget = f", at most {time_budget_s / 60:.0f} min each" if time_budget_s else ""
+    print(f"==> training {plan}{budget}: the same weights on every machine for the same steps. Each run prints its "
+          f"speed on this machine and its wait after its first {PACE_STEPS[1]} steps; `kvserve up --time-budget "
+          f"SECONDS` (make serve TIME_BUDGET=SECONDS) caps each run's training, at a lower quality.",
+          file=sys.stderr, flush=True)
     for task in tasks:
         out = art / "ckpt" / task
         cmd = _kvserve("train", "--task", task, "--preset", preset, "--out", str(out),
                        "--data-dir", str(art / "data"), "--threads", "2")
+        if time_budget_s:
+            cmd += ["--time-budget", str(time_budget_s)]
         if (out / "train_state.pt").is_file() and not (out / "metrics.json").is_file():
             cmd.append("--resume")  # an interrupted run continues where it stopped
         try:
@@ -46,7 +58,8 @@ def _train_missing(art: Path, tasks: list[str], preset: str) -> None:
             raise RuntimeError(f"training failed for {task} (exit {e.returncode}); see the output above") from e
 
 
-def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small", host: str | None = None) -> int:
+def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small", host: str | None = None,
+       time_budget_s: float | None = None) -> int:
     from model.data import is_prepared  # torch-free
 
     t0 = time.time()
@@ -55,7 +68,7 @@ def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small
     need_bundle = [t for t in TASKS if not (art / "bundles" / t / "manifest.json").is_file()]
     need_train = [t for t in need_bundle if not (art / "ckpt" / t / "metrics.json").is_file()]
     if need_train:
-        _train_missing(art, need_train, preset)
+        _train_missing(art, need_train, preset, time_budget_s)
     for task in need_bundle:
         _run(_kvserve("export", str(art / "ckpt" / task), "--out", str(art / "bundles" / task), "--force"),
              f"export {task}")

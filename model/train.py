@@ -25,7 +25,7 @@ from model.batching import Batcher
 from model.cpu_memory import keep_freed_memory
 from model.run_report import write_report
 from model.schedule import set_lr
-from model.step import train_step
+from model.step import choose_precision, train_step
 from model.train_config import TrainConfig, recipe
 from model.train_state import TrainRun, save_run, start_run
 from model.transformer import count_parameters
@@ -34,6 +34,7 @@ from model.validation import better, validate, validate_average
 __all__ = ["TrainConfig", "recipe", "train"]
 
 LOG_EVERY = 25  # steps per train-loss entry in the history (the mean over those steps' tokens)
+PACE_STEPS = (5, 30)  # the speed is measured between these steps of a (re)start: after the first steps' one-time costs
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> dict:
@@ -44,10 +45,22 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     keep_freed_memory()  # the same large tensors every step: no page faults for them after the first
     run = start_run(cfg, resume)
     batcher = Batcher(cfg, run.tok, run.model_config.max_len)
+    resolve_precision(run, batcher)
     print(f"{cfg.task}/{cfg.preset}: {count_parameters(run.model) / 1e6:.2f}M parameters, vocab "
-          f"{run.tok.vocab_size}, steps {run.step}->{cfg.steps}", file=sys.stderr)
+          f"{run.tok.vocab_size}, steps {run.step}->{cfg.steps}, precision {run.cfg.precision}", file=sys.stderr)
     run_steps(run, batcher)
     return finish(run)
+
+
+def resolve_precision(run: TrainRun, batcher: Batcher) -> None:
+    """Set the run's precision; "auto" is measured on the run's next batch (model/step.py choose_precision)."""
+    if run.cfg.precision != "auto":
+        run.set_precision(run.cfg.precision)
+        return
+    chosen, ms = choose_precision(run.model, batcher.batch(run.step), run.cfg, run.tok.pad_id)
+    times = ", ".join(f"{name} {v:.0f} ms" for name, v in ms.items()) if len(ms) > 1 else "no native bf16"
+    print(f"precision auto -> {chosen} (a step: {times})", file=sys.stderr)
+    run.set_precision(chosen)
 
 
 def run_steps(run: TrainRun, batcher: Batcher) -> None:
@@ -59,15 +72,20 @@ def run_steps(run: TrainRun, batcher: Batcher) -> None:
     bar = tqdm(total=cfg.steps, initial=run.step, desc=f"train {cfg.task}", unit="step", file=sys.stderr,
                mininterval=2.0)
     loss_sum, n_tokens = 0.0, 0
+    first, pace_t0 = run.step, None
     while run.step < cfg.steps:
         lr = set_lr(run.opt, run.step, run.elapsed, cfg)
-        loss, ntok = train_step(run.model, run.opt, batcher.batch(run.step), cfg, run.tok.pad_id)
+        loss, ntok = train_step(run.model, run.opt, batcher.batch(run.step), cfg, run.tok.pad_id, twin=run.twin)
         if run.avg:
             run.avg.update(run.step)
         run.step += 1
         run.elapsed = elapsed0 + time.time() - t0
         loss_sum, n_tokens = loss_sum + loss.item() * ntok, n_tokens + ntok
         bar.update(1)
+        if run.step - first == PACE_STEPS[0]:
+            pace_t0 = time.time()
+        elif run.step - first == PACE_STEPS[1]:
+            bar.write(pace_line(cfg, run.step, (PACE_STEPS[1] - PACE_STEPS[0]) / (time.time() - pace_t0)))
         if run.step % LOG_EVERY == 0:
             run.history.append({"step": run.step, "train_loss": round(loss_sum / n_tokens, 4),
                                 "elapsed_s": round(run.elapsed, 1)})
@@ -83,6 +101,16 @@ def run_steps(run: TrainRun, batcher: Batcher) -> None:
             save_run(run)  # an interrupt during the final validation loses nothing
             break
     bar.close()
+
+
+def pace_line(cfg: TrainConfig, step: int, steps_per_s: float) -> str:
+    """What the rest of the run will take on this machine at the measured speed, and how to shorten it."""
+    left_s = (cfg.steps - step) / steps_per_s
+    line = (f"{cfg.task}: {steps_per_s:.2f} steps/s on this machine: the remaining {cfg.steps - step:,} of "
+            f"{cfg.steps:,} steps take ~{left_s / 60:.0f} min (plus validation every {cfg.eval_every:,} steps)")
+    if cfg.time_budget_s:
+        return line + f"; the time budget ends the run after {cfg.time_budget_s / 60:.0f} min of training"
+    return line + "; `--time-budget SECONDS` ends it sooner, with a lower quality"
 
 
 def is_last_step(run: TrainRun) -> bool:
@@ -117,6 +145,7 @@ def finish(run: TrainRun) -> dict:
             final, run.weights = final_ema, "ema"
     save_run(run, final)
     metrics = {"task": cfg.task, "preset": cfg.preset, "steps": run.step, "train_seconds": round(run.elapsed, 1),
+               "steps_per_s": round(run.step / max(run.elapsed, 1e-9), 3), "precision": cfg.precision,
                "parameters": count_parameters(run.model), "weights": run.weights, "final": final,
                "history": run.history}
     write_report(run.out, metrics)

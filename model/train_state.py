@@ -11,6 +11,7 @@ run is saved (model/train.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from model import data as data_mod
 from model.checkpoint import TOKENIZER, load_model_config, load_train_state, save_checkpoint
 from model.config import ModelConfig, preset
+from model.precision import Bf16Twin
 from model.step import make_optimizer
 from model.tokenizer import Tokenizer
 from model.train_config import TrainConfig
@@ -41,6 +43,12 @@ class TrainRun:
     elapsed: float = 0.0  # seconds of training, over all resumes
     history: list[dict] = field(default_factory=list)  # train losses and validations, as in metrics.json
     weights: str | None = None  # which weights are kept, "last" or "ema", once chosen at the end
+    twin: Bf16Twin | None = None  # the bf16 twin that computes the steps, when cfg.precision is "bf16"
+
+    def set_precision(self, precision: str) -> None:
+        """Train in `precision` from now on (not "auto": model/step.py choose_precision resolves that)."""
+        self.cfg = dataclasses.replace(self.cfg, precision=precision)
+        self.twin = Bf16Twin(self.model) if precision == "bf16" else None
 
 
 def train_tokenizer(cfg: TrainConfig, out: Path) -> Tokenizer:
@@ -84,6 +92,8 @@ def restore_train_state(run: TrainRun, state: dict) -> None:
         g["fused"] = True
     torch.set_rng_state(state["torch_rng"])
     run.step, run.elapsed = int(state["step"]), float(state["elapsed"])
+    if "precision" in state:  # a resumed run keeps the precision it chose
+        run.set_precision(state["precision"])
     run.history = json.loads(state["history"])
 
 
@@ -91,7 +101,7 @@ def train_state(run: TrainRun) -> dict:
     """The run as it is in training (the last weights in the model, the average beside them), for --resume."""
     state = {"model": copy.deepcopy(run.model.state_dict()), "optimizer": run.opt.state_dict(),  # tied stay one
              "torch_rng": torch.get_rng_state(), "step": run.step, "elapsed": run.elapsed,
-             "history": json.dumps(run.history)}
+             "history": json.dumps(run.history), "precision": run.cfg.precision}
     if run.avg:
         state["ema"] = copy.deepcopy(run.avg.shadow)
     return state

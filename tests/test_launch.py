@@ -84,6 +84,23 @@ def test_kvserve_up_and_make_serve_pass_the_host_through(art, monkeypatch):
     assert "--host 0.0.0.0" in dry[("HOST=0.0.0.0",)]
 
 
+def test_kvserve_up_trains_the_recipes_steps_and_passes_a_time_budget_through(tmp_path, monkeypatch, capsys):
+    from kvserve import up
+
+    runs = []
+    monkeypatch.setattr(up, "_run", lambda cmd, what: runs.append(cmd))
+    up._train_missing(tmp_path, ["translate", "generate"], "small")
+    assert [c[c.index("--task") + 1] for c in runs] == ["translate", "generate"]
+    assert not any("--time-budget" in c for c in runs)  # the recipes' steps: the same models on every machine
+    plan = capsys.readouterr().err
+    assert "translate (4,500 steps), then generate (1,400 steps)" in plan and "--time-budget" in plan
+    runs.clear()
+    up._train_missing(tmp_path, ["generate"], "small", time_budget_s=300.0)
+    assert runs[0][-2:] == ["--time-budget", "300.0"] and "at most 5 min each" in capsys.readouterr().err
+    dry = subprocess.run(["make", "-n", "serve", "TIME_BUDGET=300"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "--time-budget 300" in dry
+
+
 # -- slow: the real cluster -------------------------------------------------------------------------------------
 def _other_address() -> str | None:
     """This machine's first IPv4 address that is not loopback (None if it has none)."""
