@@ -60,7 +60,8 @@ def test_ray_serve_serves_an_imported_bundle_as_marian_translates(ray_cluster, t
     model, tok = load_reference(folder)
     sources = corpus()[300:330]
     with httpx.Client(base_url=f"http://127.0.0.1:{raw['http_options']['port']}", timeout=120) as client:
-        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["opus-en-de"]
+        models = client.get("/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["opus-en-de", f"opus-en-de@{models[0]['version']}"]
         for beams in (1, 4):
             batch = tok(sources, return_tensors="pt", padding=True)
             with torch.no_grad():
