@@ -22,8 +22,11 @@ pytestmark = pytest.mark.slow
 def test_health_and_models(client):
     assert client.get("/v2/health/live").json() == {"status": "live"}
     assert client.get("/v2/health/ready").json() == {"status": "ready"}
-    ids = {m["id"]: m["task"] for m in client.get("/v1/models").json()["data"]}
+    data = client.get("/v1/models").json()["data"]
+    ids = {m["id"]: m["task"] for m in data if "parent" not in m}
     assert ids == {"translate": "translate", "generate": "generate", "slowgen": "generate", "waitgen": "generate"}
+    pinned = {m["id"] for m in data if "parent" in m}  # one `model@version` entry per served version
+    assert pinned == {f"{m['id']}@{m['version']}" for m in data if "parent" not in m}
 
 
 def test_translate_matches_bundle_evaluation(client, server):
