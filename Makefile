@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ART ?= artifacts
 
-.PHONY: venv test test-slow serve bench data clean deploy-check gpu-check gpu-check-cpu
+.PHONY: venv test test-slow serve bench soak data clean deploy-check gpu-check gpu-check-cpu
 
 $(BIN)/kvserve-installed.stamp: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ serve: venv
 
 bench: venv
 	$(BIN)/kvserve bench --artifacts $(ART) --out docs/benchmarks.md
+
+# The server for SOAK_MINUTES at ~70% of its capacity: RSS per process and p99 over time (bench/soak.py).
+SOAK_MINUTES ?= 30
+soak: venv
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --artifacts $(ART) --out docs/img
 
 # The prepared GPU check (bench/gpu_check): any python that has the deps (no venv needed; PY=...), offline.
 # gpu-check-cpu runs the same steps on the CPU EP. OUT/gpu_check.json says what passed, failed or was skipped.

@@ -1,0 +1,231 @@
+"""A soak test: the server for many minutes at ~70% of its capacity, memory and latency over time, as a plot.
+
+    python -m bench.soak [--minutes 30] [--artifacts artifacts] [--out docs/img] [--share 0.7]
+    make soak [SOAK_MINUTES=30]
+
+Deploys the generate model on a local Ray Serve cluster (bench/autoscale.py `single_model_config`, one replica,
+16 KV slots and a short waiting room, so that bursts get 429s), measures its capacity with 32 closed-loop
+clients, then sends an open-loop Poisson load at `share` of that rate for `minutes`: a mix of streamed and plain
+`/v1/generate`, streams the client drops after a few tokens (disconnects), clients that give up after 0.3 s
+(deadlines on the client's side) and every 30 s a burst of 64 requests at once (429s). Every 10 s it samples the
+RSS of the proxy, the ingress and the replica (by Ray's process titles) and the latency of the window. At the
+end: growth of each process's RSS per 10 minutes after warm-up (a least-squares slope), p99 drift (first vs last
+third), the statuses (any 5xx is a failure) and whether slots and waiting requests are back to 0.
+Writes ARTIFACTS/bench/soak.json and OUT/soak.png; prints a markdown summary.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from bench.autoscale import single_model_config
+
+ROLES = (("ServeReplica:kvserve:ingress", "ingress"), ("ServeReplica:kvserve:generate", "replica"),
+         ("ProxyActor", "proxy"))
+SAMPLE_S, BURST_EVERY_S, BURST = 10.0, 30.0, 64
+BODY = {"prompt": "the quick brown fox", "max_tokens": 32, "temperature": 1.0}
+
+
+def processes() -> dict[str, psutil.Process]:
+    """role -> the Ray process playing it (proxy, ingress, replica)."""
+    out = {}
+    for p in psutil.process_iter():
+        try:
+            text = p.name() + " " + " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        role = next((r for key, r in ROLES if key in text), None)
+        if role and role not in out:
+            out[role] = p
+    return out
+
+
+async def _one(client: httpx.AsyncClient, kind: str) -> tuple[str, float]:
+    """(outcome, seconds) of one request of `kind`: plain, stream, drop (a stream dropped after 3 events) or
+    giveup (a client that waits at most 0.3 s)."""
+    t0 = time.monotonic()
+    try:
+        if kind == "plain":
+            r = await client.post("/v1/generate", json=BODY)
+            return str(r.status_code), time.monotonic() - t0
+        if kind == "giveup":
+            r = await asyncio.wait_for(client.post("/v1/generate", json={**BODY, "max_tokens": 64}), 0.3)
+            return str(r.status_code), time.monotonic() - t0
+        async with client.stream("POST", "/v1/generate", json={**BODY, "stream": True}) as r:
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ")
+                if kind == "drop" and n >= 3:
+                    return "dropped", time.monotonic() - t0
+            return str(r.status_code), time.monotonic() - t0
+    except asyncio.TimeoutError:
+        return "gave_up", time.monotonic() - t0
+    except httpx.HTTPError as e:
+        return type(e).__name__, time.monotonic() - t0
+
+
+async def soak(base: str, rate: float, seconds: float, progress: bool = True) -> dict[str, Any]:
+    """Open-loop Poisson arrivals at `rate`/s for `seconds`, bursts every BURST_EVERY_S; samples every SAMPLE_S."""
+    rng, procs, samples, window = random.Random(0), processes(), [], []
+    statuses: Counter = Counter()
+    kinds = ["plain"] * 5 + ["stream"] * 3 + ["drop", "giveup"]
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+        tasks: set[asyncio.Task] = set()
+
+        def launch(kind: str) -> None:
+            task = asyncio.create_task(_one(client, kind))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), statuses.update([t.result()[0]]),
+                                              window.append(t.result()[1]) if t.result()[0] == "200" else None))
+        t0 = next_sample = next_burst = time.monotonic()
+        while (now := time.monotonic()) - t0 < seconds:
+            launch(rng.choice(kinds))
+            if now >= next_burst:
+                for _ in range(BURST):
+                    launch("plain")
+                next_burst += BURST_EVERY_S
+            if now >= next_sample:
+                samples.append(_sample(procs, now - t0, window, statuses))
+                window, next_sample = [], next_sample + SAMPLE_S
+                if progress:
+                    print(f"\r {samples[-1]['t']:6.0f}s {samples[-1]['rss_mb']} p99={samples[-1]['p99_s']} "
+                          f"{dict(statuses)}", end="", file=sys.stderr, flush=True)
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {"samples": samples, "statuses": dict(statuses)}
+
+
+def _sample(procs: dict[str, psutil.Process], t: float, window: list[float], statuses: Counter) -> dict[str, Any]:
+    rss = {}
+    for role, p in procs.items():
+        try:
+            rss[role] = round(p.memory_info().rss / 2**20, 1)
+        except psutil.Error:
+            rss[role] = None
+    lat = sorted(window)
+    p99 = round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None
+    return {"t": round(t, 1), "rss_mb": rss, "p99_s": p99, "done": sum(statuses.values())}
+
+
+def summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
+    """RSS growth per 10 minutes after warm-up (least squares), p99 of the first and last third."""
+    after = [s for s in samples if s["t"] >= warmup_s]
+    growth = {}
+    for role in (after[0]["rss_mb"] if after else {}):
+        pts = [(s["t"], s["rss_mb"][role]) for s in after if s["rss_mb"].get(role) is not None]
+        if len(pts) >= 2:
+            mt, mv = sum(t for t, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
+            slope = sum((t - mt) * (v - mv) for t, v in pts) / max(1e-9, sum((t - mt) ** 2 for t, _ in pts))
+            growth[role] = round(slope * 600, 2)  # MB per 10 minutes
+    third = max(1, len(after) // 3)
+    p99s = [s["p99_s"] for s in after if s["p99_s"] is not None]
+    first, last = (sorted(p99s[:third]), sorted(p99s[-third:])) if p99s else ([], [])
+    med = (lambda xs: xs[len(xs) // 2] if xs else None)
+    return {"rss_growth_mb_per_10min": growth, "p99_first_third_s": med(first), "p99_last_third_s": med(last)}
+
+
+async def capacity(base: str, seconds: float = 20.0, clients: int = 32) -> float:
+    """Plain requests per second that `clients` closed-loop clients get through."""
+    done, t0 = 0, time.monotonic()
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() - t0 < seconds:
+                status, _ = await _one(client, "plain")
+                done += status == "200"
+        await asyncio.gather(*(loop() for _ in range(clients)))
+    return done / (time.monotonic() - t0)
+
+
+def gauges(base: str) -> dict[str, float]:
+    """The server's KV slots in use and waiting requests (its /metrics, summed over replicas)."""
+    text, out = httpx.get(base + "/metrics", timeout=30).text, {}
+    for name in ("kvserve_kv_slots_used", "kvserve_waiting_requests", "kvserve_running_requests"):
+        out[name] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith(name + "{") or line.startswith(name + " "))
+    return out
+
+
+def idle_after(base: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """The gauges once they read 0 (or after `timeout_s`): Ray exports them every second or two."""
+    t0 = time.monotonic()
+    while True:
+        g = gauges(base)
+        if not any(g.values()) or time.monotonic() - t0 > timeout_s:
+            return g
+        time.sleep(1.0)
+
+
+def plot(samples: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    t = [s["t"] / 60 for s in samples]
+    for role in samples[0]["rss_mb"]:
+        ax.plot(t, [s["rss_mb"].get(role) for s in samples], label=role)
+    ax.set_ylabel("RSS (MB)")
+    ax.legend(loc="center right", fontsize=8)
+    ax.set_title("Soak: memory and latency over time at ~70% of capacity")
+    ax2.plot(t, [s["p99_s"] for s in samples], color="tab:red")
+    ax2.set_ylabel("p99 latency per 10 s (s)")
+    ax2.set_xlabel("minutes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--warmup-minutes", type=float, default=None, help="left out of the growth fit (default: 1/6)")
+    p.add_argument("--share", type=float, default=0.7, help="the load as a share of the measured capacity")
+    p.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="holds bundles/generate")
+    p.add_argument("--out", type=Path, default=Path("docs/img"), help="where soak.png goes")
+    args = p.parse_args(argv)
+    from serving.server.config import validate_serve_config
+    from serving.server.launch import start, stop
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = single_model_config(args.artifacts.resolve(), port, slots=16)
+    cfg["logging_config"] = {**cfg.get("logging_config", {}), "log_level": "WARNING", "enable_access_log": False}
+    cfg["applications"][0]["deployments"][1]["user_config"]["max_waiting"] = 16  # bursts past it: 429
+    base = f"http://127.0.0.1:{port}"
+    start(validate_serve_config(cfg), timeout_s=600)
+    try:
+        rate = args.share * asyncio.run(capacity(base))
+        print(f"capacity measured; soaking at {rate:.1f} req/s for {args.minutes:g} min", file=sys.stderr)
+        run = asyncio.run(soak(base, rate, args.minutes * 60))
+        idle = idle_after(base)
+    finally:
+        stop()
+    warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
+    result = {"minutes": args.minutes, "rate_per_s": round(rate, 2), "statuses": run["statuses"], "idle_after": idle,
+              **summary(run["samples"], warmup_s), "samples": run["samples"]}
+    raw = args.artifacts / "bench" / "soak.json"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(result, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(run["samples"], args.out / "soak.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    fivexx = sum(n for s, n in run["statuses"].items() if s.startswith("5"))
+    return 1 if fivexx or any(idle.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
