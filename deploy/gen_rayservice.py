@@ -69,6 +69,7 @@ MODEL_AUTOSCALING: dict[str, Any] = {
     "max_replicas": 4,
     "upscale_delay_s": 10,
     "downscale_delay_s": 300,
+    "metrics_interval_s": 2,
     "look_back_period_s": 10,
     # A replica wants its KV slots 75% full (running + waiting requests); docs/lifecycle.md, "Autoscaling".
     "policy": {"policy_function": "serving.server.autoscale:EngineLoadPolicy",
