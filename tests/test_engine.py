@@ -7,9 +7,9 @@ while accepted requests finish; deadlines finish with DEADLINE; the batching mod
 import asyncio
 import time
 
-import numpy as np
 import pytest
 
+from bench.gpu_check.engine import mixed_requests as gpu_check_requests
 from engine_bundle import cached_bundle
 from engine_util import collect, outcome, run_all, run_alone, tokens
 from model.decode import greedy_translate_ids
@@ -27,19 +27,8 @@ def engine(task="generate", **kw) -> Engine:
 
 
 def mixed_requests(n: int, seed: int, sampled: bool, lm: bool = True, max_len: int = 64) -> list[GenerationRequest]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        body = [int(x) for x in rng.integers(4, V, size=int(rng.integers(1, 40)))]
-        prompt = [1] + body if lm else body
-        room = max_len - (len(prompt) if lm else 1) + 1
-        p = SamplingParams(max_new_tokens=int(rng.integers(1, min(room, 24) + 1)),
-                           temperature=0.9 if sampled else 0.0, top_k=50 if sampled and i % 2 else 0,
-                           top_p=0.9 if sampled and i % 3 == 0 else 1.0,
-                           repetition_penalty=1.2 if sampled and i % 4 == 0 else 1.0,
-                           seed=1000 + i if sampled else None)
-        out.append(GenerationRequest(f"r{i}", prompt, p))
-    return out
+    """The GPU check's mixed workload (bench/gpu_check/engine.py) on the tiny bundles: up to 24 new tokens."""
+    return gpu_check_requests(n, V, max_len, lm, sampled, max_new=24, seed=seed)
 
 
 async def started(eng: Engine) -> Engine:

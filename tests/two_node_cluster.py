@@ -1,6 +1,6 @@
 """A two-node Ray cluster on this machine, a raylet killed under load: the scenario of tests/test_two_node.py.
 
-Run as its own process (it owns its Ray cluster, apart from the test session's): `python tests/two_node_cluster.py
+Run as its own process (it owns its Ray cluster, apart from the one pytest's fixtures start): `python tests/two_node_cluster.py
 ARTIFACTS`. Ray's `cluster_utils.Cluster` starts a head node and a second node on this host, each with its
 own raylet; the Serve config (deploy/serve_config.yaml reduced to `generate`) puts one `generate` replica
 on each node (max_replicas_per_node: 1) and the proxy on the head. While 200 plain and streamed

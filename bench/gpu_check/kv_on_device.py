@@ -41,7 +41,7 @@ def nbytes(dtype: str, shape: list[int]) -> int:
 
 
 def measured_nodes(events: list[dict[str, Any]], runs: int) -> list[dict[str, Any]]:
-    """Node events of the last `runs` model_run events of one session's profile."""
+    """Node events of the last `runs` model_run events in one ORT profile (one InferenceSession)."""
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run"][-runs:]
     return [e for e in events if e.get("cat") == "Node" and e.get("args", {}).get("op_name")
             and any(a <= e["ts"] <= b for a, b in spans)]
