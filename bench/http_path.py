@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,14 +28,18 @@ from typing import Any
 import psutil
 
 from bench.http import BenchServer, HttpPlan
+from serving.server.config import colocate
 from loadtest.config import LoadConfig, Workload
 from loadtest.runner import run_load
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS, TOKENS = 32, 64
+PROFILED = ("proxy", "ingress", "replica", "load generator")  # Python processes worth a py-spy profile
+IDLE_LEAVES = ("select (", "epoll", "poll (", "sleep (", "acquire (", "wait (", "_wait_for_tstate_lock")
 # Process roles by what Ray puts in the process title / command line.
 ROLES = (("ServeReplica:kvserve:ingress", "ingress"), ("ServeReplica:kvserve:generate", "replica"),
-         ("ProxyActor", "proxy"), ("ServeController", "controller"), ("gcs_server", "gcs"), ("raylet", "raylet"))
+         ("ProxyActor", "proxy"), ("haproxy", "proxy"), ("ServeController", "controller"), ("gcs_server", "gcs"),
+         ("raylet", "raylet"))
 RUNS = (("streaming /v1/generate", Workload.GENERATE, True), ("non-streaming /v1/completions", Workload.COMPLETIONS, False))
 
 
@@ -78,15 +83,55 @@ class CpuShares:
         return {role: round((c1[role] - self.c0[role]) / dt, 3) for role in c1}
 
 
-def _load(url: str, workload: Workload, stream: bool, seconds: float, data_dir: Path) -> Any:
+class Profiles:
+    """py-spy profiles (`record -f raw`: collapsed stacks) of each process role while a run is measured."""
+
+    def __init__(self, out_dir: Path | None, shares: CpuShares, name: str, seconds: float) -> None:
+        self.procs: list[tuple[Path, subprocess.Popen]] = []
+        if out_dir is None:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for role, procs in shares.procs.items():
+            if role not in PROFILED:
+                continue
+            for p in procs:
+                path = out_dir / f"{name}.{role.replace(' ', '_')}.{p.pid}.txt"
+                cmd = ["py-spy", "record", "-r", "50", "-d", str(int(seconds)), "-f", "raw", "-o", str(path),
+                       "-p", str(p.pid), "--nonblocking"]
+                self.procs.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+
+    def wait(self) -> list[Path]:
+        for _, proc in self.procs:
+            proc.wait(timeout=120)
+        return [path for path, _ in self.procs if path.exists()]
+
+
+def top_frames(path: Path, n: int = 12) -> list[tuple[str, float]]:
+    """The `n` functions with the most samples on the stack (inclusive share) in a collapsed-stack profile,
+    ignoring idle threads (the samples whose leaf is a wait: select/epoll/poll/sleep/acquire)."""
+    total, inclusive = 0, {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not frames or any(w in frames[-1] for w in IDLE_LEAVES):
+            continue
+        total += int(count)
+        for f in set(frames):
+            inclusive[f] = inclusive.get(f, 0) + int(count)
+    return [(f, c / total) for f, c in sorted(inclusive.items(), key=lambda kv: -kv[1])[:n]] if total else []
+
+
+def _load(url: str, workload: Workload, stream: bool, seconds: float, data_dir: Path, scrape: bool = False) -> Any:
     cfg = LoadConfig(url, workload=workload, concurrency=CLIENTS, duration_s=seconds, warmup_s=min(2.0, seconds / 4),
                      seed=0, max_tokens=TOKENS, min_tokens=TOKENS, stream=stream, temperature=1.0,
-                     data_dir=data_dir, timeout_s=60, scrape_metrics=False)
+                     data_dir=data_dir, timeout_s=60, scrape_metrics=scrape)
     return asyncio.run(run_load(cfg))
 
 
-def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, work: Path) -> list[dict[str, Any]]:
-    """Both runs against one server whose generate model streams with `interval_s`."""
+def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, work: Path,
+              topology: str = "split", profile_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Both runs against one server whose generate model streams with `interval_s`, in its own deployment
+    (`split`) or in the ingress replica (`colocated`)."""
     import bench.http as bench_http
 
     shipped_config = bench_http.bench_serve_config
@@ -95,6 +140,8 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
         raw = shipped_config(*args, **kwargs)
         for spec in raw["applications"][0]["args"]["models"]:
             spec["stream_interval_s"] = interval_s
+        if topology == "colocated":
+            colocate(raw["applications"][0], [m["name"] for m in raw["applications"][0]["args"]["models"]])
         return raw
     bench_http.bench_serve_config = with_interval
     plan = HttpPlan(concurrency=CLIENTS, slots=CLIENTS, threads=1)
@@ -105,13 +152,21 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
                 _load(server.url, workload, stream, 3.0, data_dir)  # warm-up
                 shares = CpuShares()
                 shares.start()
-                report = _load(server.url, workload, stream, seconds, data_dir)
+                tag = f"{topology}-{'stream' if stream else 'complete'}-{interval_s:g}"
+                profiles = Profiles(profile_dir, shares, tag, seconds)
+                report = _load(server.url, workload, stream, seconds, data_dir, scrape=True)
                 cpu = shares.stop()
+                batch = (report.server or {}).get("batch_size") or {}
+                for path in profiles.wait():
+                    print(f"profile {path}:", file=sys.stderr)
+                    for frame, share in top_frames(path):
+                        print(f"  {share:6.1%}  {frame}", file=sys.stderr)
                 ttft = report.latency.get("ttft") or {}
-                out.append({"run": name, "stream_interval_s": interval_s,
+                out.append({"run": name, "topology": topology, "stream_interval_s": interval_s,
                             "tokens_per_s": report.throughput["output_tokens_per_s"],
                             "ttft_p99_s": ttft.get("p99") if isinstance(ttft, dict) else None,
-                            "succeeded": report.totals["succeeded"], "errors": report.errors, "cpu": cpu})
+                            "succeeded": report.totals["succeeded"], "errors": report.errors, "cpu": cpu,
+                            "steps": batch.get("count"), "rows_per_step": batch.get("mean")})
                 print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     finally:
         bench_http.bench_serve_config = shipped_config
@@ -132,12 +187,12 @@ def inprocess_tokens_per_s(bundle: Path, work: Path) -> float:
 def markdown(result: dict[str, Any]) -> str:
     roles = ["proxy", "ingress", "replica", "load generator", "controller", "gcs", "raylet"]
     lines = [f"In-process engine (32 clients): **{result['inprocess_tokens_per_s']:.0f} tok/s**.", "",
-             "| run | stream_interval_s | tok/s | HTTP / in-process | TTFT p99 (s) | "
+             "| run | topology | stream_interval_s | tok/s | HTTP / in-process | TTFT p99 (s) | "
              + " | ".join(f"CPU {r}" for r in roles) + " |",
-             "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in roles) + " |"]
+             "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in roles) + " |"]
     for r in result["runs"]:
         ttft = f"{r['ttft_p99_s']:.3f}" if r["ttft_p99_s"] is not None else "-"
-        lines.append(f"| {r['run']} | {r['stream_interval_s']:g} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['run']} | {r.get('topology', 'split')} | {r['stream_interval_s']:g} | {r['tokens_per_s']:.0f} | "
                      f"{r['tokens_per_s'] / result['inprocess_tokens_per_s']:.2f} | {ttft} | "
                      + " | ".join(f"{r['cpu'].get(role, 0.0):.2f}" for role in roles) + " |")
     return "\n".join(lines)
@@ -149,12 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=ROOT / "artifacts" / "data")
     p.add_argument("--seconds", type=float, default=12.0, help="measured phase of each run")
     p.add_argument("--stream-interval", default="0", help="comma-separated stream_interval_s values to compare")
+    p.add_argument("--topology", default="split", help="comma-separated: split (the model in its own deployment), "
+                   "colocated (in the ingress replica)")
     p.add_argument("--out", type=Path, default=Path("artifacts/bench/http_path.json"))
+    p.add_argument("--profile", type=Path, help="write py-spy profiles (collapsed stacks) of each process here "
+                   "and print their top functions")
     args = p.parse_args(argv)
     work = args.out.parent / "http_path_work"
     work.mkdir(parents=True, exist_ok=True)
-    runs = [r for s in args.stream_interval.split(",")
-            for r in http_runs(args.bundle, args.data_dir, float(s), args.seconds, work)]
+    runs = [r for t in args.topology.split(",") for s in args.stream_interval.split(",")
+            for r in http_runs(args.bundle, args.data_dir, float(s), args.seconds, work, t, args.profile)]
     result = {"runs": runs, "inprocess_tokens_per_s": inprocess_tokens_per_s(args.bundle, work)}
     args.out.write_text(json.dumps(result, indent=1))
     print(markdown(result))

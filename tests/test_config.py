@@ -14,7 +14,8 @@ from engine_bundle import cached_bundle
 from serving.engine.config import BatchingKnobs, EngineConfig, ReplicaKnobs, RequestBounds
 from serving.engine.engine import Engine
 from serving.engine.types import BatchingMode
-from serving.server.config import AppArgs, Limits, ModelSpec, engine_config, validate_serve_config
+from serving.server.config import (AppArgs, IngressKnobs, Limits, ModelSpec, colocate, engine_config,
+                                   validate_serve_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,3 +100,50 @@ def test_the_shipped_config_composes_without_dropping_keys(tmp_path):
         user = model_deployment(raw, spec.name).get("user_config") or {}
         config = engine_config(spec, BatchingKnobs.model_validate(user), args.limits)
         assert all(getattr(config, k) == BatchingKnobs.model_validate(user).model_dump()[k] for k in user)
+
+
+def test_a_colocated_model_moves_into_the_ingress_and_validates(tmp_path):
+    raw = shipped()
+    app = raw["applications"][0]
+    knobs = model_deployment(raw, "generate")["user_config"]
+    colocate(app, ["generate"])
+    names = [d["name"] for d in app["deployments"]]
+    assert "generate" not in names and "translate" in names
+    ingress = model_deployment(raw, "ingress")
+    assert ingress["user_config"]["models"] == {"generate": knobs}
+    assert ingress["ray_actor_options"]["num_cpus"] == 1  # the model's CPU, on the ingress now
+    validate_serve_config(raw, tmp_path)
+    args = AppArgs.model_validate(app["args"])
+    generate = next(m for m in args.models if m.name == "generate")
+    assert generate.colocated and generate.serve_deployments() == []
+    assert IngressKnobs.model_validate(ingress["user_config"]).models["generate"] == BatchingKnobs(**knobs)
+
+
+def test_a_colocated_models_canary_keeps_its_own_deployment(tmp_path):
+    spec = ModelSpec(name="generate", bundle="b1", colocated=True, canary={"bundle": "b2", "weight": 10})
+    assert spec.serve_deployments() == ["generate-canary"]
+    assert [d for d, _, _ in spec.deployments()] == ["generate", "generate-canary"]  # both routed
+
+
+@pytest.mark.parametrize("mistake,match", [
+    ("deployment entry kept", "colocated .* remove their entries"),
+    ("knobs for a non-colocated model", "not colocated models"),
+    ("unknown knob", "max_waitng"),
+    ("ongoing below a batch", "ingress.: max_ongoing_requests=4 < max_batch_size"),
+])
+def test_colocation_mistakes_are_refused_by_name(tmp_path, mistake, match):
+    raw = shipped()
+    app = raw["applications"][0]
+    kept = copy.deepcopy(model_deployment(raw, "generate"))
+    colocate(app, ["generate"])
+    ingress = model_deployment(raw, "ingress")
+    if mistake == "deployment entry kept":
+        app["deployments"].append(kept)
+    elif mistake == "knobs for a non-colocated model":
+        ingress["user_config"]["models"]["translate"] = {}
+    elif mistake == "unknown knob":
+        ingress["user_config"]["models"]["generate"]["max_waitng"] = 3
+    else:
+        ingress["max_ongoing_requests"] = 4
+    with pytest.raises((ValueError, ValidationError), match=match):
+        validate_serve_config(raw, tmp_path)

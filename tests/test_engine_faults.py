@@ -95,12 +95,14 @@ async def test_a_hung_step_fails_every_request_at_the_timeout_and_the_engine_rep
 
 async def test_a_hung_engine_fails_the_replica_health_check():
     from serving.server.config import ModelSpec
+    from serving.server.local_model import LocalModel
     from serving.server.replica import ModelDeployment
 
     eng, faults = faulty_engine(step_timeout_s=0.3)
     await eng.start()
     replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)  # the class Serve runs
-    replica.engine, replica.spec = eng, ModelSpec(name="generate", bundle="unused")
+    replica.model = LocalModel.__new__(LocalModel)  # its model, around this engine
+    replica.model.engine, replica.model.spec = eng, ModelSpec(name="generate", bundle="unused")
     try:
         await replica.check_health()  # healthy: no error
         faults.hang_next()

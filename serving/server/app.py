@@ -2,7 +2,8 @@
 
 It parses `AppArgs` (serving/server/config.py), checks every bundle exists, and binds the graph (`bind_app`): one
 `ModelDeployment` (replica.py) per model bundle (a model's canary is a second deployment, `<model>-canary`) plus
-the HTTP `Ingress` (ingress.py) that holds their handles and each model's routes (deployment, weight).
+the HTTP `Ingress` (ingress.py) that holds their handles and each model's routes (deployment, weight). A
+`colocated` model's bundle gets no deployment: the ingress replica loads it and serves it in-process.
 Deployment options (replicas, autoscaling, queue limits, actor options, user_config) come from the Serve
 config file, not from code.
 """
@@ -33,7 +34,7 @@ def build_app(args: dict[str, Any]) -> Any:
 
 def bind_app(parsed: AppArgs, model_deployment: Any = ModelDeployment) -> Any:
     """The application graph; tests pass a `model_deployment` that injects faults (tests/fault_app.py)."""
-    tasks, handles, routes = {}, {}, {}
+    tasks, handles, routes, local = {}, {}, {}, {}
     limits = parsed.limits.model_dump(mode="json")
     for spec in parsed.models:
         routes[spec.name] = []
@@ -43,11 +44,14 @@ def bind_app(parsed: AppArgs, model_deployment: Any = ModelDeployment) -> Any:
             if tasks.setdefault(spec.name, task) != task:
                 raise ValueError(f"model {spec.name!r}: its canary bundle {bundle_dir} is a {task} model, its "
                                  f"bundle a {tasks[spec.name]} one; a canary must serve the same task")
-            handles[deployment] = model_deployment.options(name=deployment).bind(
-                spec.model_dump(mode="json"), str(bundle_dir), limits)
+            if deployment in spec.serve_deployments():
+                handles[deployment] = model_deployment.options(name=deployment).bind(
+                    spec.model_dump(mode="json"), str(bundle_dir), limits)
+            else:  # colocated: the ingress replica loads it
+                local[deployment] = (spec.model_dump(mode="json"), str(bundle_dir))
             routes[spec.name].append((deployment, weight))
     resolved = parsed.model_dump(mode="json")
     resolved["artifacts_dir"] = str(parsed.artifacts_dir.resolve())
     if parsed.api_key is not None:
         resolved["api_key"] = parsed.api_key.get_secret_value()
-    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(resolved, tasks, routes, **handles)
+    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(resolved, tasks, routes, local, **handles)

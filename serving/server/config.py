@@ -4,7 +4,8 @@
   each model's engine knobs that are fixed when a replica starts (`ReplicaKnobs`: KV slots, provider,
   threads), and the HTTP limits. `serving.server.app.build_app` parses it; nothing else reads the raw dict.
 - A model deployment's `user_config` is the engine's `BatchingKnobs`, which `reconfigure` applies live.
-- `IngressKnobs` is the ingress deployment's `user_config`: the graceful drain switch (serving/server/drain.py).
+- `IngressKnobs` is the ingress deployment's `user_config`: the graceful drain switch (serving/server/drain.py)
+  and the batching knobs of the models `colocated` in the ingress replica.
 - `load_serve_config` / `validate_serve_config` check a whole Serve config offline (Ray's own schema, then ours),
   for `kvserve serve`, tests and the deploy tooling.
 
@@ -41,6 +42,9 @@ class IngressKnobs(_Strict):
     """The ingress deployment's `user_config`, applied live by `Ingress.reconfigure` (serving/server/drain.py)."""
     draining: bool = Field(False, description="true: refuse new API requests with 503 + Retry-After and report "
                                               "not ready, while the ones in flight finish (graceful shutdown).")
+    models: dict[str, BatchingKnobs] = Field(default_factory=dict, description=(
+        "The batching knobs of each `colocated` model (what a model deployment's own user_config holds "
+        "otherwise), by model name; applied live."))
 
 
 class Limits(_Strict):
@@ -90,6 +94,13 @@ class ModelSpec(_Strict):
     canary: CanarySpec | None = Field(None, description=(
         "Serve a second bundle of this model beside `bundle`, as the deployment '<name>-canary' (its own "
         "replicas and deployment options in the Serve config), with `weight` percent of the traffic."))
+    colocated: bool = Field(False, description=(
+        "true: the model's engine runs inside the ingress replica, so a request and each streamed token cross "
+        "no process boundary between the API and the engine (the HTTP path's fastest form, docs/http_path.md); "
+        "the model then has no deployment of its own: it scales with the ingress deployment, whose "
+        "`ray_actor_options` must reserve its CPUs, and its batching knobs are the ingress user_config's "
+        "`models.<name>`. A canary stays a deployment of its own. false: a deployment of its own, reached "
+        "through a handle (scales on its own; one more hop per request and per streamed chunk)."))
     stream_interval_s: float = Field(0.0, ge=0.0, le=1.0, description=(
         "A stream's tokens cross from the model replica to the client at most once per this interval (the first "
         "token at once, the last without waiting); 0 = as soon as each is ready. The SSE output stays one event "
@@ -102,6 +113,10 @@ class ModelSpec(_Strict):
             raise ValueError(f"model name {v!r} must match {MODEL_NAME.pattern}, not be '{INGRESS_DEPLOYMENT}' "
                              f"and not end in '{CANARY_SUFFIX}' (the name of a model's canary deployment)")
         return v
+
+    def serve_deployments(self) -> list[str]:
+        """The Serve deployments this model needs (a colocated model's stable bundle needs none)."""
+        return [name for name, _, _ in self.deployments() if not (self.colocated and name == self.name)]
 
     def deployments(self) -> list[tuple[str, Path, float]]:
         """(Serve deployment name, bundle, percent of this model's traffic) of each version served."""
@@ -157,14 +172,29 @@ def engine_config(spec: ModelSpec, live: BatchingKnobs, limits: Limits) -> Engin
 def check_deployments(app: dict[str, Any], args: AppArgs) -> None:
     """Cross-checks Ray cannot do: every model has a deployment entry whose limits let batches form."""
     deployments = {d["name"]: d for d in app.get("deployments", [])}
-    expected = {INGRESS_DEPLOYMENT, *(name for m in args.models for name, _, _ in m.deployments())}
+    expected = {INGRESS_DEPLOYMENT, *(name for m in args.models for name in m.serve_deployments())}
+    colocated = {m.name for m in args.models if m.colocated}
+    listed = sorted(colocated & set(deployments))
+    if listed:
+        raise ValueError(f"models {listed} are colocated (they run in the ingress replica) and have no deployment "
+                         f"of their own: remove their entries from `deployments`, put their batching knobs in the "
+                         f"ingress's user_config under models.<name>, and size the ingress's ray_actor_options")
     unknown = set(deployments) - expected
     if unknown:
         raise ValueError(f"deployments {sorted(unknown)} match no model; expected names {sorted(expected)}")
-    IngressKnobs.model_validate(deployments.get(INGRESS_DEPLOYMENT, {}).get("user_config") or {})
+    ingress = deployments.get(INGRESS_DEPLOYMENT, {})
+    knobs = IngressKnobs.model_validate(ingress.get("user_config") or {})
+    stray = sorted(set(knobs.models) - colocated)
+    if stray:
+        raise ValueError(f"the ingress user_config has batching knobs for {stray}, which are not colocated models "
+                         f"(colocated: {sorted(colocated)}); a model deployment's knobs go in its own user_config")
     for spec in args.models:
-        for name, _, _ in spec.deployments():
+        for name in spec.serve_deployments():
             _check_model_deployment(name, deployments.get(name, {}), spec)
+        if spec.colocated:
+            _check_model_deployment(INGRESS_DEPLOYMENT, {**ingress, "user_config": knobs.models[spec.name].model_dump()
+                                    if spec.name in knobs.models else None},
+                                    spec)
 
 
 def _check_model_deployment(name: str, dep: dict[str, Any], spec: ModelSpec) -> None:
@@ -176,6 +206,32 @@ def _check_model_deployment(name: str, dep: dict[str, Any], spec: ModelSpec) -> 
     if ongoing is not None and live.batching == BatchingMode.CONTINUOUS and ongoing < spec.engine.max_slots:
         raise ValueError(f"deployment {name!r}: max_ongoing_requests={ongoing} < max_slots="
                          f"{spec.engine.max_slots}; KV slots would sit idle. Raise max_ongoing_requests.")
+
+
+def colocate(app: dict[str, Any], models: list[str]) -> dict[str, Any]:
+    """Make `models` of a kvserve application of a Serve config (a dict, changed in place and returned)
+    colocated: each model's deployment entry goes, its batching knobs (user_config) move to the ingress's
+    user_config `models.<name>`, its CPUs to the ingress's `ray_actor_options`, and the ingress takes at least
+    its `max_ongoing_requests`."""
+    deployments = app.setdefault("deployments", [])
+    ingress = next((d for d in deployments if d["name"] == INGRESS_DEPLOYMENT), None)
+    if ingress is None:
+        ingress = {"name": INGRESS_DEPLOYMENT}
+        deployments.append(ingress)
+    for spec in app["args"]["models"]:
+        if spec["name"] not in models:
+            continue
+        spec["colocated"] = True
+        dep = next((d for d in deployments if d["name"] == spec["name"]), {})
+        if dep:
+            deployments.remove(dep)
+        ingress.setdefault("user_config", {}).setdefault("models", {})[spec["name"]] = dep.get("user_config") or {}
+        actor = ingress.setdefault("ray_actor_options", {})
+        actor["num_cpus"] = actor.get("num_cpus", 0) + (dep.get("ray_actor_options") or {}).get("num_cpus", 1)
+        if dep.get("max_ongoing_requests"):
+            ingress["max_ongoing_requests"] = max(ingress.get("max_ongoing_requests", 0),
+                                                  dep["max_ongoing_requests"])
+    return app
 
 
 def load_serve_config(path: str | Path, artifacts_dir: str | Path | None = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ Does not own: the routes (api.py), the model replicas (replica.py), the app grap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -26,11 +27,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serving.engine.types import AdmissionRejected
-from serving.server.config import AppArgs, IngressKnobs
+from serving.engine.config import BatchingKnobs
+from serving.server.config import AppArgs, IngressKnobs, ModelSpec
 from serving.server.errors import ErrorKind, ServiceError
 from serving.server.api import create_app
 from serving.server.drain import Drain
 from serving.server.cached import Cached
+from serving.server.local_model import LocalModel
 from serving.server.metrics import RayNodeScraper, Recorder, aggregate_exposition
 from serving.server.readiness import ModelReadiness, probe_replicas, serve_replica_states
 from serving.server.service import StreamPiece, TextRequest, TextResult, is_result
@@ -47,11 +50,13 @@ VERSIONS_TTL_S = 2.0  # a rolled-out version is listed (and can be named) within
 
 
 class RayBackend:
-    """serving.server.api.Backend over Serve deployment handles (one per deployment: models and canaries)."""
+    """serving.server.api.Backend over Serve deployment handles (one per deployment: models and canaries) and
+    the models colocated in this replica (`local`, by the deployment name their routes use)."""
 
     def __init__(self, handles: dict[str, DeploymentHandle], tasks: dict[str, str],
-                 routes: dict[str, list[tuple[str, float]]], app_name: str) -> None:
-        self.handles, self.tasks, self.router = handles, tasks, Router(routes)
+                 routes: dict[str, list[tuple[str, float]]], app_name: str,
+                 local: dict[str, LocalModel] | None = None) -> None:
+        self.handles, self.tasks, self.router, self.local = handles, tasks, Router(routes), dict(local or {})
         self.readiness = ModelReadiness(list(handles), functools.partial(serve_replica_states, app_name),
                                         lambda deployment: probe_replicas(self.handles[deployment]))
         self._scraper = RayNodeScraper()
@@ -67,13 +72,18 @@ class RayBackend:
     async def _ask_versions(self) -> list[ServedVersion]:
         """Each deployment's version, from one of its replicas (during a rollout: whichever answers)."""
         asked = [(m, d, w) for m, choices in self.router.routes.items() for d, w in choices]
-        infos = await asyncio.gather(*(self.handles[d].info.remote() for _, d, _ in asked), return_exceptions=True)
+        infos = await asyncio.gather(*(self._info(d) for _, d, _ in asked), return_exceptions=True)
         return [ServedVersion(m, d, info["version"], info["created"], w)
                 for (m, d, w), info in zip(asked, infos) if isinstance(info, dict)]
 
-    async def _handle(self, model: str, req: TextRequest) -> DeploymentHandle:
+    async def _info(self, deployment: str) -> dict:
+        if deployment in self.local:
+            return self.local[deployment].info()
+        return await self.handles[deployment].info.remote()
+
+    async def _deployment(self, model: str, req: TextRequest) -> str:
         if req.version is None:
-            return self.handles[self.router.pick(model)]
+            return self.router.pick(model)
         deployment = self.router.serving(model, req.version, await self.model_versions())
         if deployment is None:  # maybe just rolled out: ask again once
             self._versions.invalidate()
@@ -82,13 +92,16 @@ class RayBackend:
             served = sorted(s.version for s in await self.model_versions() if s.model == model)
             raise ServiceError(ErrorKind.NOT_FOUND, f"model {model}@{req.version[:40]} is not served; versions of "
                                f"{model} served now: {served}", field="model")
-        return self.handles[deployment]
+        return deployment
 
     async def complete(self, model: str, req: TextRequest) -> TextResult:
         """The model's answer. A replica that dies before answering costs nothing but time: the request is sent
         once more (Serve's router no longer picks a dead replica), with the same seed, so the same output."""
+        deployment = await self._deployment(model, req)
+        if deployment in self.local:
+            return await self.local[deployment].complete(req)
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
-            response, handle = None, await self._handle(model, req)
+            response, handle = None, self.handles[deployment]
             try:
                 response = handle.complete.remote(req)
                 result = await response
@@ -99,6 +112,9 @@ class RayBackend:
             except Exception as e:
                 if attempt < REPLICA_DEATH_RETRIES and _replica_died(e):
                     log.warning("model %s: the replica died before answering; sending the request again", model)
+                    deployment = await self._deployment(model, req)  # a canary's replica may be gone for good
+                    if deployment in self.local:
+                        return await self.local[deployment].complete(req)
                     continue
                 raise _as_service_error(e) from None
             if isinstance(result, ServiceError):
@@ -109,8 +125,14 @@ class RayBackend:
     async def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
         """The model's stream in chunks. A replica that dies before the first chunk is retried like `complete`;
         after it, the client has text already, and the stream ends with a retryable error."""
+        deployment = await self._deployment(model, req)
+        if deployment in self.local:
+            async with contextlib.aclosing(self.local[deployment].stream(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
-            gen, started, finished, handle = None, False, False, await self._handle(model, req)
+            gen, started, finished, handle = None, False, False, self.handles[deployment]
             try:
                 gen = handle.options(stream=True).stream.remote(req)
                 async for chunk in gen:
@@ -133,7 +155,7 @@ class RayBackend:
 
     async def models_ready(self) -> dict[str, bool]:
         """A model is ready while each of its deployments (stable and canary) has a replica that can serve."""
-        ready = await self.readiness.models_ready()
+        ready = {**await self.readiness.models_ready(), **{d: m.ready() for d, m in self.local.items()}}
         return {m: all(ready.get(d, False) for d in self.router.deployments(m)) for m in self.tasks}
 
     async def metrics_text(self) -> str:
@@ -187,21 +209,49 @@ def _as_service_error(e: BaseException) -> BaseException:
 @serve.deployment
 @serve.ingress()
 class Ingress:
-    def __init__(self, args: dict, tasks: dict[str, str], routes: dict[str, list[tuple[str, float]]],
-                 **handles: DeploymentHandle) -> None:
+    async def __init__(self, args: dict, tasks: dict[str, str], routes: dict[str, list[tuple[str, float]]],
+                       local: dict[str, tuple[dict, str]], **handles: DeploymentHandle) -> None:
+        """`local`: deployment name -> (ModelSpec, bundle dir) of each colocated model, loaded here."""
         self.args, self.tasks, self.routes, self.handles = AppArgs.model_validate(args), tasks, routes, handles
         self.drain = Drain()
         self.app_name = serve.get_replica_context().app_name  # whose replicas readiness counts
+        self.recorder = Recorder("ray")
+        self.local: dict[str, LocalModel] = {}
+        for deployment, (spec, bundle_dir) in local.items():
+            self.local[deployment] = await LocalModel.load(ModelSpec.model_validate(spec), bundle_dir,
+                                                           self.args.limits, BatchingKnobs(), self.recorder)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(RayBackend(self.handles, self.tasks, self.routes, self.app_name), self.args.limits, Recorder("ray"),
-                          self.args.resolved_api_key(), self.drain, self.args.metrics_require_key)
+        backend = RayBackend(self.handles, self.tasks, self.routes, self.app_name, self.local)
+        return create_app(backend, self.args.limits, self.recorder, self.args.resolved_api_key(), self.drain,
+                          self.args.metrics_require_key)
 
     async def reconfigure(self, user_config: dict) -> None:
-        """`draining: true` refuses new API requests from now on (serving/server/drain.py); false resumes."""
+        """`draining: true` refuses new API requests from now on (serving/server/drain.py); false resumes.
+        `models.<name>`: the batching knobs of a colocated model, applied live."""
         knobs = IngressKnobs.model_validate(user_config or {})
         self.drain.set_draining(knobs.draining)
+        for model in self.local.values():
+            model.reconfigure(knobs.models.get(model.spec.name, BatchingKnobs()))
         log.info("ingress %s", "draining: new requests get 503" if knobs.draining else "serving")
+
+    # -- the colocated models' engines (none: these do nothing) -----------------------------------------
+    async def check_health(self) -> None:
+        for model in self.local.values():
+            model.check_health()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The colocated engines' load, summed (serving/server/autoscale.py); empty when there are none."""
+        stats: dict[str, float] = {}
+        for model in self.local.values():
+            for key, value in model.load_stats().items():
+                stats[key] = stats.get(key, 0.0) + value
+        return stats
+
+    async def __del__(self) -> None:
+        """Serve waits (graceful_shutdown_*) for ongoing requests first; then the colocated engines stop."""
+        for model in getattr(self, "local", {}).values():
+            await model.stop(drain_timeout_s=30.0)
 
     async def drain_status(self) -> dict:
         """This replica's phase and requests in flight (serving/server/launch.py `drain` polls every replica)."""
