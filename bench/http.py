@@ -49,6 +49,7 @@ MODE_SWITCH_TIMEOUT_S = 120.0
 METRICS_FLUSH_S = 1.5  # the bench's Ray exports metrics every second (metrics_report_interval_ms)
 STEPS = "kvserve_engine_batch_size_count"  # one observation per engine step
 CONTINUOUS, REQUEST = "continuous", "request"  # the names the claim compares
+COMPLETIONS = "continuous, non-streaming /v1/completions"
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,37 @@ def bench_serve_config(shipped: Path, bundle: Path, plan: HttpPlan, port: int) -
     spec.setdefault("engine", {}).update(max_slots=plan.slots, intra_op_threads=plan.threads)
     app["args"]["models"] = [spec]
     app["deployments"] = [d for d in app["deployments"] if d["name"] in ("ingress", MODEL)]
-    dep = next(d for d in app["deployments"] if d["name"] == MODEL)
-    dep.setdefault("user_config", {}).update(max_batch_size=plan.slots, batching=BatchingMode.CONTINUOUS.value)
+    if spec.get("colocated"):  # the model's knobs and ongoing requests are the ingress's
+        ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
+        models = ingress.setdefault("user_config", {}).setdefault("models", {})
+        ingress["user_config"]["models"] = {MODEL: models.get(MODEL, {})}
+        live, dep = ingress["user_config"]["models"][MODEL], ingress
+    else:
+        dep = next(d for d in app["deployments"] if d["name"] == MODEL)
+        live = dep.setdefault("user_config", {})
+    live.update(max_batch_size=plan.slots, batching=BatchingMode.CONTINUOUS.value)
     dep["max_ongoing_requests"] = max(dep.get("max_ongoing_requests", 0), plan.slots * 3)
     return raw
+
+
+def live_knobs(raw: dict[str, Any]) -> dict[str, Any]:
+    """The bench model's batching knobs in a bench config: its deployment's user_config, or the ingress's
+    `models.<name>` when it is colocated."""
+    app = raw["applications"][0]
+    if next(m for m in app["args"]["models"] if m["name"] == MODEL).get("colocated"):
+        ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
+        return ingress["user_config"]["models"][MODEL]
+    return next(d for d in app["deployments"] if d["name"] == MODEL)["user_config"]
+
+
+def model_info() -> dict[str, Any]:
+    """The bench model's `info()`: from its deployment, or from the ingress replica it is colocated in."""
+    from ray import serve
+
+    try:
+        return serve.get_deployment_handle(MODEL, app_name=APP).info.remote().result()
+    except Exception:  # no such deployment: the model is colocated
+        return serve.get_deployment_handle("ingress", app_name=APP).model_info.remote(MODEL).result()
 
 
 class BenchServer:
@@ -127,9 +155,10 @@ class BenchServer:
 
     def __enter__(self) -> "BenchServer":
         import ray
-        from serving.server.launch import prepare_config, start
+        from serving.server.launch import prepare_config, start, use_fast_data_plane
 
         self.raw = prepare_config(self.config_path)
+        use_fast_data_plane()  # the data plane `kvserve serve` runs (serving/server/launch.py)
         ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False,
                  _system_config={"metrics_report_interval_ms": 1000})
         try:
@@ -145,19 +174,17 @@ class BenchServer:
         stop()
 
     def set_mode(self, mode: HttpMode) -> None:
-        from ray import serve
         from serving.server.launch import start
 
         raw = copy.deepcopy(self.raw)
-        live = next(d for d in raw["applications"][0]["deployments"] if d["name"] == MODEL)["user_config"]
+        live = live_knobs(raw)
         live["batching"] = mode.batching.value
         if mode.batch_wait_timeout_s is not None:
             live["batch_wait_timeout_s"] = mode.batch_wait_timeout_s
         start(raw, timeout_s=MODE_SWITCH_TIMEOUT_S)
-        handle = serve.get_deployment_handle(MODEL, app_name=APP)
         deadline = time.monotonic() + MODE_SWITCH_TIMEOUT_S
         while True:
-            info = handle.info.remote().result()
+            info = model_info()
             if all(info["live"].get(k) == v for k, v in live.items()):
                 self.pids.add(int(info["pid"]))
                 return
@@ -167,11 +194,12 @@ class BenchServer:
             time.sleep(0.5)
 
 
-def load_config(url: str, plan: HttpPlan, data_dir: Path, rate: float | None) -> LoadConfig:
-    return LoadConfig(url=url, workload=Workload.GENERATE, rate=rate,
+def load_config(url: str, plan: HttpPlan, data_dir: Path, rate: float | None,
+                workload: Workload = Workload.GENERATE, stream: bool = True) -> LoadConfig:
+    return LoadConfig(url=url, workload=workload, rate=rate,
                       concurrency=None if rate else plan.concurrency, duration_s=plan.duration_s,
                       warmup_s=plan.warmup_s, seed=plan.seed, min_tokens=plan.min_tokens,
-                      max_tokens=plan.max_tokens, temperature=plan.temperature, stream=True, data_dir=data_dir,
+                      max_tokens=plan.max_tokens, temperature=plan.temperature, stream=stream, data_dir=data_dir,
                       timeout_s=plan.timeout_s, scrape_metrics=False)
 
 
@@ -238,6 +266,27 @@ def _phase(server: BenchServer, plan: HttpPlan, data_dir: Path, phase: str, rate
     return runs
 
 
+def _completions_phase(server: BenchServer, plan: HttpPlan, data_dir: Path, work: Path) -> list[dict]:
+    """Continuous batching, non-streaming /v1/completions (the OpenAI API) at `concurrency` clients, the same
+    requests as the streaming runs: what a client that waits for the whole text gets."""
+    server.set_mode(HttpMode(CONTINUOUS, BatchingMode.CONTINUOUS))
+    runs, before = [], scrape_now(server.url)
+    for rnd in range(plan.closed_rounds):
+        report = asyncio.run(run_load(load_config(server.url, plan, data_dir, None, Workload.COMPLETIONS, False)))
+        after = scrape_now(server.url)
+        (work / f"http-completions-r{rnd}.json").write_text(report.to_json() + "\n")
+        run = {"phase": "completions", "mode": COMPLETIONS, "round": rnd, "rate": None,
+               **figures(report, tokens_per_step(before, after), plan)}
+        # No token times without streaming: the steady-state window counts whole answers, tokens at the end.
+        run["output_tokens_per_s"] = run["loadtest_output_tokens_per_s"]
+        before = after
+        runs.append(run)
+        print(f"bench http completions r{rnd} {run['requests_per_s']:6.2f} req/s {run['output_tokens_per_s']:7.1f} "
+              f"tok/s  e2e p99 {run['e2e_p99_s'] or float('nan'):6.2f} s  failed {run['failed']}",
+              file=sys.stderr, flush=True)
+    return runs
+
+
 def summarize(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     """{phase: {mode: medians over rounds}} of the numeric figures."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -266,6 +315,7 @@ def run(shipped: Path, bundle: Path, data_dir: Path, plan: HttpPlan, work: Path)
     with BenchServer(shipped, bundle, plan, work) as server:
         startup_s = time.perf_counter() - t0
         runs = _phase(server, plan, data_dir, "closed", None, work)
+        runs += _completions_phase(server, plan, data_dir, work)
         open_phases = {}
         for phase, basis in (("open-a", REQUEST), ("open-b", CONTINUOUS)):
             capacity, rate = _open_rate(runs, basis, plan.rate_fraction)

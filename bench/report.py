@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.http import COMPLETIONS as COMPLETIONS_MODE  # the mode name of the non-streaming runs
+
 
 def t(s: float | None) -> str:
     """A duration for humans: ms below 1 s, else s."""
@@ -68,20 +70,35 @@ def _section_date(body: dict[str, Any]) -> str:
 
 
 # -- 1. HTTP -------------------------------------------------------------------------------------------
+HTTP_TARGETS = {"streaming": 0.5, "non-streaming": 0.6}  # HTTP / in-process tokens/s at 32 clients (docs/http_path.md)
+
+
+def http_ratios(http: dict[str, Any], inproc: dict[str, Any]) -> dict[str, Any] | None:
+    """Output tokens/s through HTTP at the bench's concurrency over the in-process engine's at the same
+    concurrency (section 2: same bundle, KV slots, ORT threads and output lengths): streaming /v1/generate and
+    non-streaming /v1/completions, both with continuous batching."""
+    c = http["plan"]["concurrency"]
+    row = next((r for r in inproc["engine"]["summary"] if r["mode"] == "continuous" and r["concurrency"] == c), None)
+    runs = {"streaming": http["summary"].get("closed", {}).get("continuous"),
+            "non-streaming": http["summary"].get("completions", {}).get(COMPLETIONS_MODE)}
+    if not row or not any(runs.values()):
+        return None
+    return {"concurrency": c, "inprocess_tokens_per_s": row["busy_tokens_per_s"],
+            **{k: {"tokens_per_s": v["output_tokens_per_s"], "ratio": v["output_tokens_per_s"] / row["busy_tokens_per_s"],
+                   "target": HTTP_TARGETS[k]} for k, v in runs.items() if v}}
+
+
 def http_vs_inprocess(http: dict[str, Any], inproc: dict[str, Any]) -> str | None:
     """How much of the in-process engine's continuous-batching throughput the HTTP path delivers."""
-    c = http["plan"]["concurrency"]
-    closed = http["summary"].get("closed", {}).get("continuous")
-    row = next((r for r in inproc["engine"]["summary"] if r["mode"] == "continuous" and r["concurrency"] == c), None)
-    if not closed or not row:
+    r = http_ratios(http, inproc)
+    if r is None:
         return None
-    share = closed["output_tokens_per_s"] / row["busy_tokens_per_s"]
-    return (f"Through HTTP the continuous mode delivered {closed['output_tokens_per_s']:.0f} output tokens/s at "
-            f"{c} clients, {100 * share:.0f}% of the {row['busy_tokens_per_s']:.0f} tokens/s the same engine reaches "
-            f"in-process at {c} clients (section 2, no HTTP, {inproc.get('threads', '?')} ORT thread(s)): the rest goes to the HTTP path (Ray Serve "
-            f"proxy and ingress, one streamed event per token through a Ray streaming call, JSON and SSE), the "
-            f"replica's single ORT thread and the load generator, all on this machine's {inproc.get('cpus') or 'few'} "
-            f"cores.")
+    parts = [f"{k} {v['tokens_per_s']:.0f} output tokens/s, **{v['ratio']:.2f}** of it (target {v['target']:g})"
+             for k, v in r.items() if isinstance(v, dict)]
+    return (f"HTTP / in-process at {r['concurrency']} clients: the engine in-process reaches "
+            f"{r['inprocess_tokens_per_s']:.0f} tokens/s (section 2, same bundle, slots, ORT threads and output "
+            f"lengths); through HTTP, " + "; ".join(parts) + ". Everything shares this machine's "
+            f"{inproc.get('cpus') or 'few'} cores, the load generator included.")
 
 
 def _http_table(summary: dict[str, dict[str, Any]]) -> list[str]:
@@ -119,6 +136,8 @@ def http_phases(b: dict[str, Any]) -> list[tuple[str, str]]:
     """(phase, title) of the HTTP section's phases, in order."""
     p = b["plan"]
     out = [("closed", f"Closed loop, {p['concurrency']} concurrent clients")]
+    if "completions" in b.get("summary", {}):
+        out.append(("completions", f"Closed loop, {p['concurrency']} clients, non-streaming /v1/completions"))
     why = {"request": "a load both batching modes should carry", "continuous": "near the capacity of the server as shipped"}
     for phase, o in b.get("open_phases", {}).items():
         out.append((phase, f"Open loop, Poisson arrivals at {o['rate']:g} req/s ({p['rate_fraction']:g} x the "
@@ -339,7 +358,7 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
     if h.get("ok") and i.get("ok"):
         versus = http_vs_inprocess(h, i)
         if versus:
-            out.append("- " + versus.split(" (section 2")[0] + ".")
+            out.append("- " + versus.split(" (section 2")[0] + "; through HTTP, " + versus.split("; through HTTP, ")[1])
     if i.get("ok"):
         for key in ("engine", "engine_all_cores"):
             reading = key in i and engine_reading(i[key])

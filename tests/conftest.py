@@ -49,10 +49,11 @@ def ray_cluster():
     """{"port": Serve's HTTP port, "api_key": the key in API_KEY_ENV}; Serve and Ray stop at the test run's end."""
     import ray
     from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
-    from serving.server.launch import stop
+    from serving.server.launch import stop, use_fast_data_plane
 
     key = os.environ.setdefault(API_KEY_ENV, "kvs-test-" + secrets.token_urlsafe(24))
     os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # as serve_cli.start does: Ray's proxy refuses bad headers
+    use_fast_data_plane()  # HAProxy in front, as `kvserve serve` runs it
     ray.init(num_cpus=2, include_dashboard=False, _system_config={"metrics_report_interval_ms": 1000})
     try:
         yield {"port": free_port(), "api_key": key}

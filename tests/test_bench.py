@@ -13,7 +13,7 @@ import pytest
 from bench.cli import SECTIONS, Artifacts, bench
 from bench.compute import flops_per_token, matmul_weights_per_token, peak_gemm, workload_flops
 from bench.report import http_verdict, render, t
-from bench.http import HttpPlan, bench_serve_config, summarize
+from bench.http import COMPLETIONS, HttpPlan, bench_serve_config, summarize
 from bench.translate import RunResult, identical_share, load_sentences
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,9 @@ def _sections() -> dict:
     closed = {"continuous": _http_mode(10.0, 680.0, 0.2, 3.0), "request": _http_mode(5.0, 340.0, 5.5, 6.0),
               "request, wait 250 ms": _http_mode(8.0, 544.0, 2.0, 2.5), "none": _http_mode(2.0, 136.0, 9.0, 12.0)}
     opened = {k: v for k, v in copy.deepcopy(closed).items() if k != "request, wait 250 ms"}
-    http = {"ok": True, "plan": vars(HttpPlan()), "summary": {"closed": closed, "open-a": opened, "open-b": opened},
+    completions = {COMPLETIONS: _http_mode(12.0, 1300.0, 0.9, 2.0)}
+    http = {"ok": True, "plan": vars(HttpPlan()),
+            "summary": {"closed": closed, "completions": completions, "open-a": opened, "open-b": opened},
             "config_overrides": ["only generate"], "config_file": "artifacts/bench/http/serve_config.bench.yaml",
             "replica_pids": [42], "commands": ["kvserve loadtest URL"], "date_utc": "d", "elapsed_s": 300,
             "open_phases": {"open-a": {"basis": "request", "capacity_req_per_s": 5.0, "rate": 4.0},
@@ -111,6 +113,10 @@ def test_doc_has_every_table_ratio_and_the_ct2_ratio_whichever_way_it_falls():
     assert doc.count("does **not** hold") == 1 * 2
     assert "Open loop, Poisson arrivals at 4 req/s (0.8 x the request mode's closed-loop 5.00 req/s" in doc
     assert "| request, wait 250 ms | 8.00 | 544 |" in doc
+    # HTTP / in-process at 32 clients, both APIs, against the fixture's 2000 tok/s in-process, body and summary
+    assert doc.count("streaming 680 output tokens/s, **0.34** of it (target 0.5); non-streaming 1300 output "
+                     "tokens/s, **0.65** of it (target 0.6)") == 2
+    assert f"| {COMPLETIONS} | 12.00 | 1300 |" in doc
     assert "ours 0.50x CTranslate2's sentences/s (slower; CTranslate2 is 2.00x ours)" in doc
     assert "| 8 | 10.0 | 20.0 | 0.50x |" in doc and "95.0%" in doc
     assert "| 16 | 4.000 ms | 2.000 ms | 1.000 ms | 2.00x | 4.00x | 2.00x |" in doc
@@ -270,7 +276,7 @@ def test_quick_bench_runs_every_section_on_tiny_bundles(tmp_path):
         assert json.loads((art / "bench" / f"{name}.json").read_text())["ok"]
     http = json.loads((art / "bench" / "http.json").read_text())
     assert {(r["phase"], r["mode"]) for r in http["runs"]} == {
-        ("closed", "request, wait 50 ms"), *((p, m) for p in ("closed", "open-a", "open-b")
+        ("closed", "request, wait 50 ms"), ("completions", COMPLETIONS), *((p, m) for p in ("closed", "open-a", "open-b")
                                               for m in ("continuous", "request", "none"))}
     assert all(r["succeeded"] > 0 and r["failed"] == 0 for r in http["runs"])
     assert len(http["replica_pids"]) == 1  # the mode changed live, on the same replica

@@ -170,7 +170,7 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path, monkeypatch) -> Non
 
     import ray
 
-    from serving.server.launch import prepare_config, start, stop
+    from serving.server.launch import prepare_config, start, stop, use_fast_data_plane
 
     gen = load("gen_rayservice")
     cfg = gen.image_serve_config(gen.load_serve_config(), gen.Variant.CPU)
@@ -185,6 +185,7 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path, monkeypatch) -> Non
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     raw = prepare_config(path, host="127.0.0.1", port=_free_port())
     metrics_port = _free_port()
+    use_fast_data_plane()  # as `kvserve serve` runs it
     ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:

@@ -52,6 +52,14 @@ def _stream(base: str, out: list, started: threading.Event) -> None:
     out.append((r.status_code, events, time.monotonic()))
 
 
+def own_ray_env() -> dict[str, str]:
+    """This environment without the HAProxy ports that this test run's own Ray took (tests/conftest.py): the
+    server under test starts a Ray of its own, which picks its own."""
+    from serving.server.launch import HAPROXY_PORT_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}
+
+
 def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path):
     write_long_bundles(bundles)
     port = free_port()
@@ -60,7 +68,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--config", str(config), "--artifacts",
                                  str(bundles), "--num-cpus", "2"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**own_ray_env(), "PYTHONUNBUFFERED": "1"})
     try:
         _wait_serving(proc, log)
         base = f"http://127.0.0.1:{port}"

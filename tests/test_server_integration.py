@@ -170,14 +170,30 @@ def test_client_disconnect_cancels(client, server):
 
 
 # -- metrics across replicas ---------------------------------------------------------------------------------
-def test_request_counter_sums_over_replicas(client):
+def _series_by_replica(name: str, deployment: str) -> dict[str, float]:
+    """replica -> value of `name` summed over its series, in Ray's own export of this application."""
     import ray
     from serving.server.metrics import RAY_PREFIX
 
+    node = next(x for x in ray.nodes() if x["Alive"])
+    raw = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics").text
+    out: dict[str, float] = {}
+    for m in re.finditer(rf'^{RAY_PREFIX}{name}{{([^}}]*)}} (\S+)$', raw, re.M):
+        labels = m.group(1)
+        # This application's series only: other suites' applications ran on the same cluster (tests/conftest.py).
+        replica = re.search(r'replica="([^"]+)"', labels)
+        if 'application="kvserve"' in labels and f'deployment="{deployment}"' in labels and replica:
+            out[replica.group(1)] = out.get(replica.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def test_request_counter_sums_over_replicas(client):
     labels = {"endpoint": "/v1/generate", "model": "generate", "status": "200"}
     before_text = settled_metrics(client)
     before = metric(before_text, "kvserve_requests_total", **labels)
     tokens_before = metric(before_text, "kvserve_generated_tokens_total", model="generate")
+    series = (("kvserve_requests_total", "ingress"), ("kvserve_generated_tokens_total", "generate"))
+    replicas_before = {key: _series_by_replica(*key) for key in series}
     n, generated = 24, 0
     for i in range(n):
         r = httpx.post(str(client.base_url) + "/v1/generate", json={"prompt": f"the {i}", "max_tokens": 3})
@@ -187,14 +203,12 @@ def test_request_counter_sums_over_replicas(client):
     assert metric(text, "kvserve_requests_total", **labels) == before + n
     text = wait_metric(client, "kvserve_generated_tokens_total", tokens_before + generated, model="generate")
     assert metric(text, "kvserve_generated_tokens_total", model="generate") == tokens_before + generated
-    # Both replicas of each deployment really served: their series are distinct in Ray's own export.
-    node = next(x for x in ray.nodes() if x["Alive"])
-    raw = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics").text
-    # This application's series only: other suites' applications ran on the same cluster (tests/conftest.py).
-    ours = "\n".join(line for line in raw.splitlines() if 'application="kvserve"' in line)
-    for name, dep in (("kvserve_requests_total", "ingress"), ("kvserve_generated_tokens_total", "generate")):
-        replicas = set(re.findall(rf'^{RAY_PREFIX}{name}{{[^}}]*deployment="{dep}"[^}}]*replica="([^"]+)"', ours, re.M))
-        assert len(replicas) == 2, (name, replicas)
+    # Both replicas of each deployment really served: each one's own series grew in Ray's export (series of
+    # replicas of earlier applications on this cluster may still be listed; they do not grow).
+    for key in series:
+        after = _series_by_replica(*key)
+        grew = {r for r, v in after.items() if v > replicas_before[key].get(r, 0.0)}
+        assert len(grew) == 2, (key, replicas_before[key], after)
 
 
 def test_metrics_exposition_is_promtool_clean(client):

@@ -87,6 +87,8 @@ def main(art: Path) -> int:
     from serving.server.config import validate_serve_config
     from serving.server.launch import start
 
+    # The Python proxy here (Ray's default data plane: launch.start does not pick it for a Ray already running):
+    # two nodes on one host would give two HAProxies the same HTTP, stats and metrics ports.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}})
     second = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address)

@@ -236,6 +236,10 @@ class Ingress:
         log.info("ingress %s", "draining: new requests get 503" if knobs.draining else "serving")
 
     # -- the colocated models' engines (none: these do nothing) -----------------------------------------
+    async def model_info(self, model: str) -> dict:
+        """A colocated model's `LocalModel.info()` (what a model deployment's `info` says), from this replica."""
+        return self.local[model].info()
+
     async def check_health(self) -> None:
         for model in self.local.values():
             model.check_health()

