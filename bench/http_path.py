@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from loadtest.runner import run_load
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS, TOKENS = 32, 64
 PROFILED = ("proxy", "ingress", "replica", "load generator")  # Python processes worth a py-spy profile
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))  # the venv's, if not on PATH
 IDLE_LEAVES = ("select (", "epoll", "poll (", "sleep (", "acquire (", "wait (", "_wait_for_tstate_lock")
 # Process roles by what Ray puts in the process title / command line.
 ROLES = (("ServeReplica:kvserve:ingress", "ingress"), ("ServeReplica:kvserve:generate", "replica"),
@@ -96,8 +98,8 @@ class Profiles:
                 continue
             for p in procs:
                 path = out_dir / f"{name}.{role.replace(' ', '_')}.{p.pid}.txt"
-                cmd = ["py-spy", "record", "-r", "50", "-d", str(int(seconds)), "-f", "raw", "-o", str(path),
-                       "-p", str(p.pid), "--nonblocking"]
+                cmd = [PY_SPY, "record", "-r", "50", "-d", str(int(seconds)), "-f", "raw", "-o", str(path),
+                       "-p", str(p.pid), "--nonblocking", "--threads"]
                 self.procs.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
 
     def wait(self) -> list[Path]:
