@@ -42,6 +42,7 @@ from loadtest.promscrape import GENERATED, Snapshot, parse_metrics
 from loadtest.report import Report
 from loadtest.runner import run_load
 from serving.engine.types import BatchingMode
+from serving.server.launch import colocate_models
 
 MODEL = "generate"
 APP = "kvserve"
@@ -75,6 +76,7 @@ class HttpPlan:
     seed: int = 0
     timeout_s: float = 15.0  # a client gives up after this (an overloaded mode's backlog must not stall the run)
     long_wait_s: float = 0.25  # the request-level variant's batch_wait_timeout_s
+    placement: str = "colocated"  # as `kvserve serve` runs the models (serving/server/launch.py PLACEMENTS)
 
     def modes(self, closed: bool) -> list[HttpMode]:
         out = [HttpMode(CONTINUOUS, BatchingMode.CONTINUOUS), HttpMode(REQUEST, BatchingMode.REQUEST)]
@@ -95,7 +97,8 @@ def config_overrides(plan: HttpPlan) -> list[str]:
     return [f"only the `{MODEL}` model and its deployment (plus the ingress)",
             f"`engine.max_slots: {plan.slots}`, `engine.intra_op_threads: {plan.threads}`",
             f"`user_config.max_batch_size: {plan.slots}`; `user_config.batching` switched per run",
-            "`http_options`: 127.0.0.1 and a free port"]
+            "`http_options`: 127.0.0.1 and a free port",
+            f"placement `{plan.placement}` (`kvserve serve --placement`, its default: colocated)"]
 
 
 def bench_serve_config(shipped: Path, bundle: Path, plan: HttpPlan, port: int) -> dict[str, Any]:
@@ -109,6 +112,8 @@ def bench_serve_config(shipped: Path, bundle: Path, plan: HttpPlan, port: int) -
     spec.setdefault("engine", {}).update(max_slots=plan.slots, intra_op_threads=plan.threads)
     app["args"]["models"] = [spec]
     app["deployments"] = [d for d in app["deployments"] if d["name"] in ("ingress", MODEL)]
+    if plan.placement == "colocated":
+        colocate_models(app)
     if spec.get("colocated"):  # the model's knobs and ongoing requests are the ingress's
         ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
         models = ingress.setdefault("user_config", {}).setdefault("models", {})

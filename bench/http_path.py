@@ -29,7 +29,6 @@ from typing import Any
 import psutil
 
 from bench.http import BenchServer, HttpPlan
-from serving.server.config import colocate
 from loadtest.config import LoadConfig, Workload
 from loadtest.runner import run_load
 
@@ -131,9 +130,9 @@ def _load(url: str, workload: Workload, stream: bool, seconds: float, data_dir: 
 
 
 def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, work: Path,
-              topology: str = "split", profile_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Both runs against one server whose generate model streams with `interval_s`, in its own deployment
-    (`split`) or in the ingress replica (`colocated`)."""
+              placement: str = "colocated", profile_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Both runs against one server whose generate model streams with `interval_s`, in the ingress replica
+    (`colocated`, as `kvserve serve` runs it) or in its own deployment (`split`)."""
     import bench.http as bench_http
 
     shipped_config = bench_http.bench_serve_config
@@ -142,11 +141,9 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
         raw = shipped_config(*args, **kwargs)
         for spec in raw["applications"][0]["args"]["models"]:
             spec["stream_interval_s"] = interval_s
-        if topology == "colocated":
-            colocate(raw["applications"][0], [m["name"] for m in raw["applications"][0]["args"]["models"]])
         return raw
     bench_http.bench_serve_config = with_interval
-    plan = HttpPlan(concurrency=CLIENTS, slots=CLIENTS, threads=1)
+    plan = HttpPlan(concurrency=CLIENTS, slots=CLIENTS, threads=1, placement=placement)
     out = []
     try:
         with BenchServer(ROOT / "deploy" / "serve_config.yaml", bundle, plan, work) as server:
@@ -154,7 +151,7 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
                 _load(server.url, workload, stream, 3.0, data_dir)  # warm-up
                 shares = CpuShares()
                 shares.start()
-                tag = f"{topology}-{'stream' if stream else 'complete'}-{interval_s:g}"
+                tag = f"{placement}-{'stream' if stream else 'complete'}-{interval_s:g}"
                 profiles = Profiles(profile_dir, shares, tag, seconds)
                 report = _load(server.url, workload, stream, seconds, data_dir, scrape=True)
                 cpu = shares.stop()
@@ -164,7 +161,7 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
                     for frame, share in top_frames(path):
                         print(f"  {share:6.1%}  {frame}", file=sys.stderr)
                 ttft = report.latency.get("ttft") or {}
-                out.append({"run": name, "topology": topology, "stream_interval_s": interval_s,
+                out.append({"run": name, "placement": placement, "stream_interval_s": interval_s,
                             "tokens_per_s": report.throughput["output_tokens_per_s"],
                             "ttft_p99_s": ttft.get("p99") if isinstance(ttft, dict) else None,
                             "succeeded": report.totals["succeeded"], "errors": report.errors, "cpu": cpu,
@@ -189,12 +186,12 @@ def inprocess_tokens_per_s(bundle: Path, work: Path) -> float:
 def markdown(result: dict[str, Any]) -> str:
     roles = ["proxy", "ingress", "replica", "load generator", "controller", "gcs", "raylet"]
     lines = [f"In-process engine (32 clients): **{result['inprocess_tokens_per_s']:.0f} tok/s**.", "",
-             "| run | topology | stream_interval_s | tok/s | HTTP / in-process | TTFT p99 (s) | "
+             "| run | placement | stream_interval_s | tok/s | HTTP / in-process | TTFT p99 (s) | "
              + " | ".join(f"CPU {r}" for r in roles) + " |",
              "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in roles) + " |"]
     for r in result["runs"]:
         ttft = f"{r['ttft_p99_s']:.3f}" if r["ttft_p99_s"] is not None else "-"
-        lines.append(f"| {r['run']} | {r.get('topology', 'split')} | {r['stream_interval_s']:g} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['run']} | {r.get('placement', 'split')} | {r['stream_interval_s']:g} | {r['tokens_per_s']:.0f} | "
                      f"{r['tokens_per_s'] / result['inprocess_tokens_per_s']:.2f} | {ttft} | "
                      + " | ".join(f"{r['cpu'].get(role, 0.0):.2f}" for role in roles) + " |")
     return "\n".join(lines)
@@ -206,15 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=ROOT / "artifacts" / "data")
     p.add_argument("--seconds", type=float, default=12.0, help="measured phase of each run")
     p.add_argument("--stream-interval", default="0", help="comma-separated stream_interval_s values to compare")
-    p.add_argument("--topology", default="split", help="comma-separated: split (the model in its own deployment), "
-                   "colocated (in the ingress replica)")
+    p.add_argument("--placement", default="colocated", help="comma-separated: colocated (the model in the ingress "
+                   "replica, `kvserve serve`'s default), split (in its own deployment)")
     p.add_argument("--out", type=Path, default=Path("artifacts/bench/http_path.json"))
     p.add_argument("--profile", type=Path, help="write py-spy profiles (collapsed stacks) of each process here "
                    "and print their top functions")
     args = p.parse_args(argv)
     work = args.out.parent / "http_path_work"
     work.mkdir(parents=True, exist_ok=True)
-    runs = [r for t in args.topology.split(",") for s in args.stream_interval.split(",")
+    runs = [r for t in args.placement.split(",") for s in args.stream_interval.split(",")
             for r in http_runs(args.bundle, args.data_dir, float(s), args.seconds, work, t, args.profile)]
     result = {"runs": runs, "inprocess_tokens_per_s": inprocess_tokens_per_s(args.bundle, work)}
     args.out.write_text(json.dumps(result, indent=1))

@@ -1,7 +1,7 @@
 """`kvserve serve`: the command line of serving/server/launch.py (start Ray Serve from existing bundles).
 
     kvserve serve [--config deploy/serve_config.yaml] [--artifacts DIR] [--host H] [--port 8000]
-                  [--num-cpus N] [--dashboard]
+                  [--num-cpus N] [--dashboard] [--placement colocated|split]
 
 Owns only the arguments and their help; what the command does (validate the config, check the bundles,
 start Ray and Serve, wait until RUNNING, drain and stop on Ctrl-C/SIGTERM) is launch.py's `serve_config`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from serving.server.launch import DEFAULT_CONFIG
+from serving.server.launch import DEFAULT_CONFIG, DEFAULT_PLACEMENT, PLACEMENTS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-cpus", dest="num_cpus", type=int,
                    help="logical CPUs for the local Ray instance (default: enough for the config's replicas)")
     p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (port 8265)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=DEFAULT_PLACEMENT,
+                   help="colocated (default): every model runs in the ingress replica, no hop between the API and "
+                        "the engines (the faster HTTP path; models scale with the ingress); split: each model in "
+                        "its own deployment, as the config file lists them (models scale on their own)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -32,4 +36,4 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from serving.server.launch import serve_config
 
     return serve_config(args.config, artifacts=args.artifacts, host=args.host, port=args.port,
-                        num_cpus=args.num_cpus, dashboard=args.dashboard)
+                        num_cpus=args.num_cpus, dashboard=args.dashboard, placement=args.placement)

@@ -4,6 +4,7 @@ on tiny trained bundles."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import json
 from pathlib import Path
 
@@ -205,9 +206,16 @@ def test_bench_serve_config_keeps_the_shipped_config_but_one_model_and_is_valid(
     assert [m["name"] for m in app["args"]["models"]] == ["generate"]
     assert app["args"]["models"][0]["engine"]["max_slots"] == 24
     dep = {d["name"]: d for d in app["deployments"]}
+    # colocated, as `kvserve serve` runs it: the model's knobs and ongoing requests are the ingress's
+    assert set(dep) == {"ingress"} and app["args"]["models"][0]["colocated"]
+    live = dep["ingress"]["user_config"]["models"]["generate"]
+    assert live["max_batch_size"] == 24 and dep["ingress"]["max_ongoing_requests"] >= 72
+    assert raw["http_options"]["port"] == 8123 and raw["http_options"]["host"] == "127.0.0.1"
+    split = bench_serve_config(ROOT / "deploy" / "serve_config.yaml", bundle, replace(plan, placement="split"), 8123)
+    validate_serve_config(copy.deepcopy(split))
+    dep = {d["name"]: d for d in split["applications"][0]["deployments"]}
     assert set(dep) == {"ingress", "generate"}
     assert dep["generate"]["user_config"]["max_batch_size"] == 24 and dep["generate"]["max_ongoing_requests"] >= 72
-    assert raw["http_options"]["port"] == 8123 and raw["http_options"]["host"] == "127.0.0.1"
 
 
 def test_checkpoint_must_hold_the_bundles_weights(tmp_path):

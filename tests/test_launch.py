@@ -121,3 +121,32 @@ def test_the_deployed_default_config_answers_only_on_loopback(rel):
         pytest.skip("this machine has no address beyond loopback")
     with pytest.raises(OSError):
         socket.create_connection((other, port), timeout=5).close()
+
+
+def test_kvserve_serve_colocates_the_models_unless_told_to_split(art, monkeypatch):
+    from kvserve.cli import main
+
+    seen = {}
+
+    def start(raw, **kw):  # stop right where Ray would start
+        seen["raw"] = raw
+        raise KeyboardInterrupt
+    monkeypatch.setattr(launch, "start", start)
+    for argv, colocated in ((["serve"], True), (["serve", "--placement", "split"], False)):
+        assert main([*argv, "--artifacts", str(art)]) == 0
+        app = seen["raw"]["applications"][0]
+        names = {d["name"] for d in app["deployments"]}
+        assert all(m.get("colocated", False) is colocated for m in app["args"]["models"])
+        assert names == ({"ingress"} if colocated else {"ingress", "translate", "generate"})
+    ingress = next(d for d in seen["raw"]["applications"][0]["deployments"] if d["name"] == "ingress")
+    assert ingress["ray_actor_options"]["num_cpus"] == 0  # split: the ingress as the file says
+
+
+def test_a_model_with_several_replicas_is_not_colocated_silently(art, tmp_path):
+    raw = yaml.safe_load(CONFIG.read_text())
+    next(d for d in raw["applications"][0]["deployments"] if d["name"] == "generate")["num_replicas"] = 2
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="'generate' asks for several replicas .* --placement split"):
+        launch.prepare_config(path, artifacts=art, placement="colocated")
+    assert launch.prepare_config(path, artifacts=art)["applications"][0]["deployments"][2]["num_replicas"] == 2

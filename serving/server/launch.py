@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serving.server.config import INGRESS_DEPLOYMENT, AppArgs, load_serve_config, validate_serve_config
+from serving.server.config import INGRESS_DEPLOYMENT, AppArgs, colocate, load_serve_config, validate_serve_config
 
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
 DEFAULT_HOST = "127.0.0.1"  # safe by default: only this machine reaches the API unless told otherwise
@@ -65,10 +65,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Where `kvserve serve` runs the models: in the ingress replica (colocated: a request and each streamed token
+# cross no process boundary between the API and the engine; docs/http_path.md measures it) or each in its own
+# deployment as the Serve config file lists them (split: models scale and move on their own, as on Kubernetes).
+PLACEMENTS = ("colocated", "split")
+DEFAULT_PLACEMENT = "colocated"
+
+
 def prepare_config(config: str | Path, artifacts: str | Path | None = None, host: str | None = None,
-                   port: int | None = None) -> dict[str, Any]:
+                   port: int | None = None, placement: str = "split") -> dict[str, Any]:
     """The validated config dict with overrides applied and artifacts_dir made absolute (the controller's
-    build task has another working directory); every bundle is checked to exist."""
+    build task has another working directory); every bundle is checked to exist. `placement="colocated"`
+    moves every model into the ingress replica (`colocate_models`); "split" keeps the file's deployments."""
     from serving.server.app import bundle_task
 
     raw = load_serve_config(config)
@@ -82,6 +90,10 @@ def prepare_config(config: str | Path, artifacts: str | Path | None = None, host
         for spec in parsed.models:
             for _, bundle, _ in spec.deployments():
                 bundle_task(parsed.bundle_dir(spec, bundle))  # fails here, with the path, not in a replica
+        if placement == "colocated":
+            colocate_models(app)
+        elif placement != "split":
+            raise ValueError(f"placement {placement!r}: expected one of {PLACEMENTS}")
     http = raw.setdefault("http_options", {})
     if host is not None:
         http["host"] = host
@@ -89,6 +101,18 @@ def prepare_config(config: str | Path, artifacts: str | Path | None = None, host
     if port is not None:
         http["port"] = port
     return validate_serve_config(raw)
+
+
+def colocate_models(app: dict[str, Any]) -> dict[str, Any]:
+    """Every model of a kvserve application into its ingress replica (serving.server.config.colocate); a model
+    whose deployment asks for more than one replica or for autoscaling cannot be, and is refused by name."""
+    names = [m["name"] for m in app["args"]["models"] if not m.get("colocated")]
+    for dep in app.get("deployments", []):
+        if dep["name"] in names and (dep.get("autoscaling_config") or (dep.get("num_replicas") or 1) != 1):
+            raise ValueError(f"deployment {dep['name']!r} asks for several replicas or autoscaling; a colocated "
+                             f"model scales with the ingress deployment. Serve it with --placement split, or "
+                             f"scale the ingress instead.")
+    return colocate(app, names)
 
 
 def is_loopback(host: str) -> bool:
@@ -268,9 +292,10 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def serve_config(config: str | Path = DEFAULT_CONFIG, artifacts: str | Path | None = None, host: str | None = None,
-                 port: int | None = None, num_cpus: int | None = None, dashboard: bool = False) -> int:
+                 port: int | None = None, num_cpus: int | None = None, dashboard: bool = False,
+                 placement: str = DEFAULT_PLACEMENT) -> int:
     t0 = time.monotonic()
-    raw = prepare_config(config, artifacts, host, port)
+    raw = prepare_config(config, artifacts, host, port, placement)
     warning = exposure_warning(raw)
     if warning:
         print(f"kvserve: {warning}", file=sys.stderr, flush=True)
