@@ -75,3 +75,25 @@ async def test_closing_the_consumer_closes_the_source():
     await gen.aclose()
     await asyncio.sleep(0)
     assert closed == [True]
+
+
+async def test_in_one_process_pieces_go_on_one_by_one_and_closing_closes_the_source():
+    """A colocated model's stream (serving/server/local_model.py): no queue, no task; the consumer going away
+    closes the source (the engine request is cancelled there)."""
+    from serving.server.local_model import _one_by_one
+
+    closed = asyncio.Event()
+
+    async def source():
+        try:
+            for i in range(100):
+                yield i
+                await asyncio.sleep(0)
+        finally:
+            closed.set()
+
+    chunks = _one_by_one(source())
+    assert [await chunks.__anext__() for _ in range(3)] == [[0], [1], [2]]
+    await chunks.aclose()
+    assert closed.is_set()
+    assert [c async for c in _one_by_one(source())] == [[i] for i in range(100)]

@@ -127,7 +127,7 @@ class RayBackend:
         after it, the client has text already, and the stream ends with a retryable error."""
         deployment = await self._deployment(model, req)
         if deployment in self.local:
-            async with contextlib.aclosing(self.local[deployment].stream(req)) as chunks:
+            async with contextlib.aclosing(self.local[deployment].stream(req, across_processes=False)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             return

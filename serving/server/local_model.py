@@ -63,9 +63,14 @@ class LocalModel:
     async def complete(self, req: TextRequest) -> TextResult:
         return await self.service.complete(req)
 
-    def stream(self, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
-        """The request's pieces in chunks (serving/server/chunks.py), the TextResult last."""
-        return coalesce(self.service.stream(req), self.spec.stream_interval_s, is_final=is_result)
+    def stream(self, req: TextRequest, across_processes: bool = True) -> AsyncIterator[list[StreamPiece | TextResult]]:
+        """The request's pieces in chunks, the TextResult last. Across a process boundary (a model deployment's
+        replica) a chunk is what is ready, or what `stream_interval_s` gathered (serving/server/chunks.py);
+        in the same process as the API (colocated, interval 0) each piece goes on as it comes: no queue and no
+        task in between."""
+        if across_processes or self.spec.stream_interval_s > 0:
+            return coalesce(self.service.stream(req), self.spec.stream_interval_s, is_final=is_result)
+        return _one_by_one(self.service.stream(req))
 
     # -- state ----------------------------------------------------------------------------------------
     def reconfigure(self, live: BatchingKnobs) -> None:
@@ -103,6 +108,15 @@ class LocalModel:
         while True:  # steps update the gauges while busy; this keeps them true while idle
             self.service.record_gauges()
             await asyncio.sleep(GAUGE_PERIOD_S)
+
+
+async def _one_by_one(items: AsyncIterator[StreamPiece | TextResult]) -> AsyncIterator[list[StreamPiece | TextResult]]:
+    """Each item as a chunk of one; closing this closes `items` (the engine request is cancelled)."""
+    try:
+        async for item in items:
+            yield [item]
+    finally:
+        await items.aclose()
 
 
 async def _warm_up(engine: Engine, tokenizer: Any) -> None:
