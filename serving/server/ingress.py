@@ -1,6 +1,7 @@
 """The HTTP ingress: the FastAPI app of serving/server/api.py served by a Ray Serve deployment.
 
-`Ingress` serves the app with `RayBackend`, which calls the model deployments through handles (streaming
+`Ingress` serves the app with `RayBackend`, which serves the models colocated in this replica in-process
+(their `LocalModel`s: local_model.py, no hop) and calls the other model deployments through handles (streaming
 ones for SSE): a model's stable deployment or its canary, by weight or by the version a request names
 (versions.py; the versions the replicas serve are asked for and cached for VERSIONS_TTL_S). A request whose
 replica died before it answered is sent once more; otherwise Ray's overload errors become 429s and a replica
