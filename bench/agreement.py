@@ -62,32 +62,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("artifacts/bench/agreement.json"))
     args = p.parse_args(argv)
-    work = args.out.parent / "agreement_work"
+    result = compare(args.bundle, args.data_dir, args.seconds, args.rounds, args.out.parent / "agreement_work")
+    args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    return 0
+
+
+def compare(bundle: Path, data_dir: Path, seconds: float, rounds: int, work: Path) -> dict[str, Any]:
+    """Both load generators in turns against one bench server; their output tokens/s and the ratio."""
     work.mkdir(parents=True, exist_ok=True)
     plan = HttpPlan(concurrency=CLIENTS, slots=CLIENTS, threads=1)
     rows: list[dict[str, Any]] = []
-    with BenchServer(ROOT / "deploy" / "serve_config.yaml", args.bundle, plan, work) as server:
-        kvserve_loadtest(server.url, args.data_dir, 5.0)  # warm-up
-        for rnd in range(args.rounds):
+    with BenchServer(ROOT / "deploy" / "serve_config.yaml", bundle, plan, work) as server:
+        kvserve_loadtest(server.url, data_dir, 5.0)  # warm-up
+        for rnd in range(rounds):
             order = ["kvserve loadtest", "locust"] if rnd % 2 == 0 else ["locust", "kvserve loadtest"]
             for tool in order:
                 t0 = time.monotonic()
-                tps = (kvserve_loadtest(server.url, args.data_dir, args.seconds) if tool == "kvserve loadtest"
-                       else locust(server.url, args.data_dir, args.seconds, work))
+                tps = (kvserve_loadtest(server.url, data_dir, seconds) if tool == "kvserve loadtest"
+                       else locust(server.url, data_dir, seconds, work))
                 rows.append({"round": rnd, "tool": tool, "output_tokens_per_s": tps,
                              "wall_s": round(time.monotonic() - t0, 1)})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    mean = {tool: sum(r["output_tokens_per_s"] for r in rows if r["tool"] == tool) / args.rounds
+    mean = {tool: sum(r["output_tokens_per_s"] for r in rows if r["tool"] == tool) / rounds
             for tool in ("kvserve loadtest", "locust")}
-    result = {"clients": CLIENTS, "tokens": TOKENS, "seconds": args.seconds, "placement": plan.placement,
-              "rows": rows, "mean": mean, "locust_over_kvserve": mean["locust"] / mean["kvserve loadtest"]}
-    args.out.write_text(json.dumps(result, indent=1))
-    print("| round | tool | output tok/s |\n| ---: | --- | ---: |")
-    for r in rows:
-        print(f"| {r['round']} | {r['tool']} | {r['output_tokens_per_s']:.0f} |")
-    print(f"\nLocust / kvserve loadtest: {result['locust_over_kvserve']:.3f} "
-          f"({'within' if abs(result['locust_over_kvserve'] - 1) <= 0.15 else 'beyond'} 15%)")
-    return 0
+    return {"clients": CLIENTS, "tokens": TOKENS, "seconds": seconds, "placement": plan.placement,
+            "rows": rows, "mean": mean, "locust_over_kvserve": mean["locust"] / mean["kvserve loadtest"]}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    ratio = result["locust_over_kvserve"]
+    lines = ["| round | load generator | output tok/s |", "| ---: | --- | ---: |"]
+    lines += [f"| {r['round']} | {r['tool']} | {r['output_tokens_per_s']:.0f} |" for r in result["rows"]]
+    lines += ["", f"Locust / `kvserve loadtest`: **{ratio:.3f}** ({'within' if abs(ratio - 1) <= 0.15 else 'beyond'} "
+              f"15%), means {result['mean']['locust']:.0f} and {result['mean']['kvserve loadtest']:.0f} tok/s."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ Sections, each measured side by side (alternated, medians, ratios) on this machi
                stays out of this process), and the engine's batching modes (bench/engine.py)
     translate  our engine vs CTranslate2 on the same converted weights (bench/translate.py)
     http       continuous vs request-level vs no batching through a real Ray Serve app (bench/http.py)
+    http_path  tokens/s through HTTP vs in-process and every process's CPU, per data plane and placement
+               (bench/http_path.py): Ray's Python proxy with a model deployment, then kvserve's defaults
+    agreement  `kvserve loadtest` vs Locust headless on the same server and requests (bench/agreement.py)
 Raw results go to ARTIFACTS/bench/ (one JSON per section, the load reports, the Serve config used, the
 CTranslate2 model); `--sections` re-runs some sections and renders the doc with the saved others (their
 dates are in the doc); a failed section is reported in the doc and makes the exit status 1.
@@ -33,7 +36,9 @@ from typing import Any, Callable
 
 from bench.http import HttpPlan
 
-SECTIONS = ("compute", "inprocess", "translate", "http")
+SECTIONS = ("compute", "inprocess", "translate", "http", "http_path", "agreement")
+# http_path: Ray's default data plane and placement (what kvserve ran before choosing), then kvserve serve's
+HTTP_PATH_SERVERS = (("python", "split"), ("haproxy", "split"), ("haproxy", "colocated"))
 WEIGHTS = "model.safetensors"  # a checkpoint's weights file (model/checkpoint.py)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 class BenchPlan:
     threads: int = 1  # intra-op threads of every in-process backend (as the serve config gives a replica)
     http: HttpPlan = field(default_factory=HttpPlan)
+    http_path_seconds: float = 10.0
+    agreement_seconds: float = 30.0
+    agreement_rounds: int = 2
     step_batches: tuple[int, ...] = (1, 16)
     step_context: int = 32
     step_iters: int = 200
@@ -69,7 +77,8 @@ QUICK = BenchPlan(
     step_iters=5, step_context=8, step_batches=(1, 4), engine_concurrency=(1, 4), engine_rounds=1,
     engine_requests_per_client=1, engine_min_new=2, engine_max_new=8, translate_sentences=8,
     translate_concurrency=(1, 4), translate_rounds=1, translate_max_new=16, gemm_n=256, gemm_reps=2,
-    sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16))
+    sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16), http_path_seconds=2.0,
+    agreement_seconds=3.0, agreement_rounds=1)
 
 
 @dataclass(frozen=True)
@@ -198,11 +207,31 @@ def section_http(art: Artifacts, plan: BenchPlan, commands: list[str], shipped: 
     return result
 
 
+def section_http_path(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    from bench.http_path import run
+
+    servers = list(HTTP_PATH_SERVERS)
+    result = run(art.require_bundle("generate"), art.data, plan.http_path_seconds, servers, art.work / "http_path")
+    commands.append(f"python -m bench.http_path --data-plane python,haproxy --placement split,colocated --seconds "
+                    f"{plan.http_path_seconds:g}   # the bench runs {servers}")
+    return result
+
+
+def section_agreement(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    from bench.agreement import compare
+
+    result = compare(art.require_bundle("generate"), art.data, plan.agreement_seconds, plan.agreement_rounds,
+                     art.work / "agreement")
+    commands.append(f"python -m bench.agreement --seconds {plan.agreement_seconds:g} --rounds {plan.agreement_rounds}")
+    return result
+
+
 def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: Path) -> dict[str, dict[str, Any]]:
     """Run the given sections in order; each one's JSON (or its error) is saved to the work dir."""
     runners: dict[str, Callable[..., dict[str, Any]]] = {
         "compute": section_compute, "inprocess": section_inprocess, "translate": section_translate,
-        "http": lambda a, p, c: section_http(a, p, c, shipped)}
+        "http": lambda a, p, c: section_http(a, p, c, shipped), "http_path": section_http_path,
+        "agreement": section_agreement}
     results = {}
     for name in sections:
         commands: list[str] = []

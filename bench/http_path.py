@@ -1,14 +1,17 @@
 """Where the CPU of the HTTP path goes: tokens/s through HTTP vs the engine in-process, per process.
 
-    python -m bench.http_path [--bundle artifacts/bundles/generate] [--seconds 12] [--stream-interval 0,0.05]
+    python -m bench.http_path [--data-plane haproxy,python] [--placement colocated,split] [--seconds 12]
+                              [--stream-interval 0,0.05] [--profile DIR]
 
-For each `stream_interval_s` (serving/server/config.py ModelSpec) it starts the bench's Ray Serve app
-(bench/http.py: the shipped config reduced to the generate model, continuous batching, 32 KV slots, 1 ORT
-thread), drives it with 32 closed-loop clients of the load tester (64 tokens per request, sampled) twice:
-streaming /v1/generate and non-streaming /v1/completions, and samples the CPU time of each process while
-it runs: the Ray proxy, the ingress replica, the model replica, Ray's own daemons and the load generator
-(this process). Then the same engine runs in-process (bench/engine.py, 32 clients, same slots and threads):
-the ratio HTTP / in-process is what the HTTP path keeps of the engine's speed.
+For each server -- a data plane (Serve's HAProxy, kvserve's default, or Ray's Python proxy), a placement
+(the model in the ingress replica, `kvserve serve`'s default, or in its own deployment) and a
+`stream_interval_s` -- it starts the bench's Ray Serve app (bench/http.py: the shipped config reduced to the
+generate model, continuous batching, 32 KV slots, 1 ORT thread), drives it with 32 closed-loop clients of the
+load tester (64 sampled tokens per request): streaming /v1/generate, then non-streaming /v1/completions, and
+samples the CPU time of each process while it runs: the proxy (HAProxy or Ray's), the ingress replica, the
+model replica, Ray's own daemons and the load generator (this process). The same engine runs in-process
+(bench/engine.py, 32 clients, same slots and threads) before and after: the ratio HTTP / in-process is what
+the HTTP path keeps of the engine's speed. `--profile DIR` adds py-spy profiles of every process.
 
 Does not measure: more than one replica or node, translation, or latency percentiles beyond TTFT p99 (the
 load tester's report has them). Everything shares this machine's cores, the load generator included; its
@@ -18,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -129,10 +135,31 @@ def _load(url: str, workload: Workload, stream: bool, seconds: float, data_dir: 
     return asyncio.run(run_load(cfg))
 
 
+DATA_PLANES = {"haproxy": "1", "python": "0"}  # Serve's HAProxy data plane (kvserve's default) or Ray's Python proxy
+
+
+@contextlib.contextmanager
+def data_plane(name: str) -> Iterator[None]:
+    """Ray started inside this block gets `name`'s data plane (serving/server/launch.py DATA_PLANE_ENV)."""
+    from serving.server.launch import DATA_PLANE_ENV
+
+    saved = {k: os.environ.get(k) for k in DATA_PLANE_ENV}
+    os.environ.update({k: DATA_PLANES[name] for k in DATA_PLANE_ENV})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, work: Path,
-              placement: str = "colocated", profile_dir: Path | None = None) -> list[dict[str, Any]]:
+              placement: str = "colocated", profile_dir: Path | None = None,
+              plane: str = "haproxy") -> list[dict[str, Any]]:
     """Both runs against one server whose generate model streams with `interval_s`, in the ingress replica
-    (`colocated`, as `kvserve serve` runs it) or in its own deployment (`split`)."""
+    (`colocated`, as `kvserve serve` runs it) or in its own deployment (`split`), behind `plane`'s proxy."""
     import bench.http as bench_http
 
     shipped_config = bench_http.bench_serve_config
@@ -146,12 +173,12 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
     plan = HttpPlan(concurrency=CLIENTS, slots=CLIENTS, threads=1, placement=placement)
     out = []
     try:
-        with BenchServer(ROOT / "deploy" / "serve_config.yaml", bundle, plan, work) as server:
+        with data_plane(plane), BenchServer(ROOT / "deploy" / "serve_config.yaml", bundle, plan, work) as server:
             for name, workload, stream in RUNS:
                 _load(server.url, workload, stream, 3.0, data_dir)  # warm-up
                 shares = CpuShares()
                 shares.start()
-                tag = f"{placement}-{'stream' if stream else 'complete'}-{interval_s:g}"
+                tag = f"{plane}-{placement}-{'stream' if stream else 'complete'}-{interval_s:g}"
                 profiles = Profiles(profile_dir, shares, tag, seconds)
                 report = _load(server.url, workload, stream, seconds, data_dir, scrape=True)
                 cpu = shares.stop()
@@ -161,7 +188,7 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
                     for frame, share in top_frames(path):
                         print(f"  {share:6.1%}  {frame}", file=sys.stderr)
                 ttft = report.latency.get("ttft") or {}
-                out.append({"run": name, "placement": placement, "stream_interval_s": interval_s,
+                out.append({"run": name, "data_plane": plane, "placement": placement, "stream_interval_s": interval_s,
                             "tokens_per_s": report.throughput["output_tokens_per_s"],
                             "ttft_p99_s": ttft.get("p99") if isinstance(ttft, dict) else None,
                             "succeeded": report.totals["succeeded"], "errors": report.errors, "cpu": cpu,
@@ -185,13 +212,16 @@ def inprocess_tokens_per_s(bundle: Path, work: Path) -> float:
 
 def markdown(result: dict[str, Any]) -> str:
     roles = ["proxy", "ingress", "replica", "load generator", "controller", "gcs", "raylet"]
-    lines = [f"In-process engine (32 clients): **{result['inprocess_tokens_per_s']:.0f} tok/s**.", "",
-             "| run | placement | stream_interval_s | tok/s | HTTP / in-process | TTFT p99 (s) | "
+    before_after = result.get("inprocess_runs") or [result["inprocess_tokens_per_s"]]
+    lines = [f"In-process engine (32 clients): **{result['inprocess_tokens_per_s']:.0f} tok/s** (mean of "
+             + ", ".join(f"{v:.0f}" for v in before_after) + ": before and after the HTTP runs).", "",
+             "| run | proxy | placement | stream_interval_s | tok/s | HTTP / in-process | TTFT p99 (s) | "
              + " | ".join(f"CPU {r}" for r in roles) + " |",
-             "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in roles) + " |"]
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in roles) + " |"]
     for r in result["runs"]:
         ttft = f"{r['ttft_p99_s']:.3f}" if r["ttft_p99_s"] is not None else "-"
-        lines.append(f"| {r['run']} | {r.get('placement', 'split')} | {r['stream_interval_s']:g} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['run']} | {r.get('data_plane', 'python')} | {r.get('placement', 'split')} | "
+                     f"{r['stream_interval_s']:g} | {r['tokens_per_s']:.0f} | "
                      f"{r['tokens_per_s'] / result['inprocess_tokens_per_s']:.2f} | {ttft} | "
                      + " | ".join(f"{r['cpu'].get(role, 0.0):.2f}" for role in roles) + " |")
     return "\n".join(lines)
@@ -205,18 +235,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-interval", default="0", help="comma-separated stream_interval_s values to compare")
     p.add_argument("--placement", default="colocated", help="comma-separated: colocated (the model in the ingress "
                    "replica, `kvserve serve`'s default), split (in its own deployment)")
+    p.add_argument("--data-plane", default="haproxy", help="comma-separated: haproxy (Serve's HAProxy data plane, "
+                   "kvserve's default), python (Ray's Python proxy)")
     p.add_argument("--out", type=Path, default=Path("artifacts/bench/http_path.json"))
     p.add_argument("--profile", type=Path, help="write py-spy profiles (collapsed stacks) of each process here "
                    "and print their top functions")
     args = p.parse_args(argv)
-    work = args.out.parent / "http_path_work"
-    work.mkdir(parents=True, exist_ok=True)
-    runs = [r for t in args.placement.split(",") for s in args.stream_interval.split(",")
-            for r in http_runs(args.bundle, args.data_dir, float(s), args.seconds, work, t, args.profile)]
-    result = {"runs": runs, "inprocess_tokens_per_s": inprocess_tokens_per_s(args.bundle, work)}
+    servers = [(d, t) for d in args.data_plane.split(",") for t in args.placement.split(",")]
+    result = run(args.bundle, args.data_dir, args.seconds, servers, args.out.parent / "http_path_work",
+                 [float(x) for x in args.stream_interval.split(",")], args.profile)
     args.out.write_text(json.dumps(result, indent=1))
     print(markdown(result))
     return 0
+
+
+def run(bundle: Path, data_dir: Path, seconds: float, servers: list[tuple[str, str]], work: Path,
+        intervals: list[float] = (0.0,), profile_dir: Path | None = None) -> dict[str, Any]:
+    """Every (data plane, placement) server in turn, both APIs each; the engine in-process before and after."""
+    work.mkdir(parents=True, exist_ok=True)
+    inproc = [inprocess_tokens_per_s(bundle, work)]
+    runs = [r for plane, placement in servers for s in intervals
+            for r in http_runs(bundle, data_dir, s, seconds, work, placement, profile_dir, plane)]
+    inproc.append(inprocess_tokens_per_s(bundle, work))
+    return {"runs": runs, "inprocess_runs": inproc, "inprocess_tokens_per_s": sum(inproc) / len(inproc),
+            "clients": CLIENTS, "tokens": TOKENS, "seconds": seconds}
 
 
 if __name__ == "__main__":

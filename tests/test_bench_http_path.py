@@ -22,3 +22,28 @@ def test_markdown_reports_the_ratio_to_the_engine_in_process():
     assert "**1000 tok/s**" in table
     row = next(line for line in table.splitlines() if line.startswith("| streaming"))
     assert "| 0.05 | 500 | 0.50 | 0.250 | 0.40 | 0.60 | 0.90 | 0.10 |" in row
+
+
+def test_a_data_plane_is_set_for_ray_inside_the_block_and_restored_after(monkeypatch):
+    import os
+
+    from bench.http_path import data_plane
+    from serving.server.launch import DATA_PLANE_ENV
+
+    for key in DATA_PLANE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    with data_plane("python"):
+        assert all(os.environ[k] == "0" for k in DATA_PLANE_ENV)
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ
+
+
+def test_top_frames_leave_out_idle_threads(tmp_path):
+    from bench.http_path import top_frames
+
+    path = tmp_path / "p.txt"
+    path.write_text("thread (1);main (a.py:1);run (engine.py:5);step (ort.py:9) 30\n"
+                    "thread (1);main (a.py:1);run (engine.py:5);sample (s.py:3) 10\n"
+                    "thread (2);loop (b.py:1);select (selectors.py:1) 60\n")
+    top = dict(top_frames(path))
+    assert top["run (engine.py:5)"] == 1.0 and top["step (ort.py:9)"] == 0.75 and "loop (b.py:1)" not in top
