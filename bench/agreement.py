@@ -95,7 +95,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["| round | load generator | output tok/s |", "| ---: | --- | ---: |"]
     lines += [f"| {r['round']} | {r['tool']} | {r['output_tokens_per_s']:.0f} |" for r in result["rows"]]
     lines += ["", f"Locust / `kvserve loadtest`: **{ratio:.3f}** ({'within' if abs(ratio - 1) <= 0.15 else 'beyond'} "
-              f"15%), means {result['mean']['locust']:.0f} and {result['mean']['kvserve loadtest']:.0f} tok/s."]
+              f"15%): Locust {result['mean']['locust']:.0f}, `kvserve loadtest` {result['mean']['kvserve loadtest']:.0f} tok/s "
+              f"(means over rounds)."]
     return "\n".join(lines)
 
 

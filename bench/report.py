@@ -388,6 +388,18 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
         versus = http_vs_inprocess(h, i)
         if versus:
             out.append("- " + versus.split(" (section 2")[0] + "; through HTTP, " + versus.split("; through HTTP, ")[1])
+    hp = sections.get("http_path", {})
+    if hp.get("ok"):
+        by = {(r.get("data_plane"), r.get("placement"), r["run"].split()[0]): r["tokens_per_s"] for r in hp["runs"]}
+        first, last = hp["runs"][0], hp["runs"][-1]
+        pairs = [(kind, by.get((first.get("data_plane"), first.get("placement"), kind)),
+                  by.get((last.get("data_plane"), last.get("placement"), kind))) for kind in ("streaming", "non-streaming")]
+        out.append(f"- The HTTP path, Ray's {first.get('data_plane')} proxy with a {first.get('placement')} model vs "
+                   f"kvserve's {last.get('data_plane')} data plane with a {last.get('placement')} model: "
+                   + "; ".join(f"{k} {a:.0f} -> {b:.0f} tok/s ({b / a:.2f}x)" for k, a, b in pairs if a and b) + ".")
+    ag = sections.get("agreement", {})
+    if ag.get("ok"):
+        out.append(f"- Load generators: Locust / `kvserve loadtest` output tok/s = {ag['locust_over_kvserve']:.3f}.")
     if i.get("ok"):
         for key in ("engine", "engine_all_cores"):
             reading = key in i and engine_reading(i[key])
