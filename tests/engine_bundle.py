@@ -1,16 +1,17 @@
 """Test helper: export a tiny random PyTorch model to a verified kvserve bundle (for the engine tests).
 
-Uses the export helper's own functions (export/onnx_export.export_model, export/bundle.write_manifest);
-the tokenizer is a small trained byte-level BPE so the bundle is complete, though the engine never reads it.
+Uses the export helper's own functions (export/onnx_export.export_model, run once per model and test run by
+tests/export_once.py; export/bundle.write_manifest); the tokenizer is a small trained byte-level BPE so the
+bundle is complete, though the engine never reads it.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from export_once import export_model_once
 
 from export.bundle import graph_contracts, write_manifest
-from export.onnx_export import export_model
 from model.config import preset
 from model.tokenizer import Tokenizer
 from model.transformer import build_model
@@ -24,7 +25,7 @@ def tiny_model(task: str, vocab: int = 300, seed: int = 0, **overrides):
 
 def write_bundle(model, cfg, task: str, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    export_model(model, out)
+    export_model_once(model, out)
     tok = Tokenizer.train(["the quick brown fox jumps over the lazy dog"] * 8, vocab_size=cfg.vocab_size)
     tok.save(out / "tokenizer.json")
     manifest = {

@@ -24,7 +24,9 @@ _CHECKPOINTS: dict[str, Path] = {}
 def tiny_bundle(base: Path, task: str, variant: str = "fp32") -> Path:
     """A verified bundle of the test run's tiny checkpoint of `task`, built once per test session
     (read-only: copy it with copy_bundle before changing anything). All variants of a task share one
-    checkpoint."""
+    checkpoint, and fp32, int8 and int8-dynamic its float32 ONNX export (tests/export_once.py)."""
+    from export_once import shared_exports
+
     from export.bundle import Variant
     from kvserve.export import build_bundle
 
@@ -34,7 +36,8 @@ def tiny_bundle(base: Path, task: str, variant: str = "fp32") -> Path:
         if task not in _CHECKPOINTS or not _CHECKPOINTS[task].is_dir():
             _CHECKPOINTS[task] = tiny_checkpoint(base / f"ckpt-{task}", task)
         _BUNDLES[key] = base / f"bundle-{task}-{variant}"
-        build_bundle(_CHECKPOINTS[task], _BUNDLES[key], Variant(variant), check_sentences=0)
+        with shared_exports():
+            build_bundle(_CHECKPOINTS[task], _BUNDLES[key], Variant(variant), check_sentences=0)
     return _BUNDLES[key]
 
 

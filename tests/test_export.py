@@ -9,6 +9,7 @@ from kvserve.export import ExportError, build_bundle, register
 from export.evaluate import greedy_decode
 from export.parity import FP32_TOLERANCE, SYNTHETIC_BATCHES, TorchRuntime, lockstep, synthetic_inputs
 from export.variants import count_ops
+from export_once import shared_exports
 from model.checkpoint import load_checkpoint
 from serving.engine.runtime import ModelRuntime
 from tests.helpers_tiny import checkpoint_of, tiny_bundle, tiny_checkpoint
@@ -113,6 +114,8 @@ def test_manifest_records_hashes_source_and_parity(bundles):
 
 
 def test_export_command_prints_report_and_refuses_to_overwrite_without_force(tmp_path, capsys):
+    """The command around build_bundle; the ONNX export of these weights (tests/engine_bundle.py's random
+    generate model) is shared with the test run's other bundles of them (tests/export_once.py)."""
     ck = tiny_checkpoint(tmp_path / "ck", "generate", train_steps=0)
     out = tmp_path / "bundle"
     out.mkdir()
@@ -124,7 +127,8 @@ def test_export_command_prints_report_and_refuses_to_overwrite_without_force(tmp
         args.func(args)
     assert (out / "precious.txt").read_text() == "keep me"
     args = parser.parse_args(["export", str(ck), "--out", str(out), "--threads", "1", "--force"])
-    assert args.func(args) == 0
+    with shared_exports():
+        assert args.func(args) == 0
     report = capsys.readouterr().out
     assert "decoder.onnx" in report and "logits max-abs" in report and "timings" in report
     assert not (out / "precious.txt").exists()
