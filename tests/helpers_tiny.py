@@ -19,6 +19,9 @@ def copy_bundle(src: Path, dst: Path) -> Path:
 
 _BUNDLES: dict[tuple[str, str], Path] = {}
 _CHECKPOINTS: dict[str, Path] = {}
+# The tiny translator has unequal depths (2 encoder + 3 decoder layers, the tiny preset has 2 + 2), as the
+# shipped one (2 + 4): a graph that mixed up the two depths fails every translate test of its bundles.
+OVERRIDES = {"translate": {"n_decoder_layers": 3}, "generate": {}}
 
 
 def tiny_bundle(base: Path, task: str, variant: str = "fp32") -> Path:
@@ -34,7 +37,7 @@ def tiny_bundle(base: Path, task: str, variant: str = "fp32") -> Path:
     if key not in _BUNDLES or not _BUNDLES[key].is_dir():
         torch.set_num_threads(1)  # the machine is shared; one thread is faster than two oversubscribed
         if task not in _CHECKPOINTS or not _CHECKPOINTS[task].is_dir():
-            _CHECKPOINTS[task] = tiny_checkpoint(base / f"ckpt-{task}", task)
+            _CHECKPOINTS[task] = tiny_checkpoint(base / f"ckpt-{task}", task, **OVERRIDES[task])
         _BUNDLES[key] = base / f"bundle-{task}-{variant}"
         with shared_exports():
             build_bundle(_CHECKPOINTS[task], _BUNDLES[key], Variant(variant), check_sentences=0)

@@ -84,15 +84,12 @@ def test_greedy_outputs_identical_to_pytorch(bundles, task, graph):
     assert sum(map(len, a)) > 7 * 5  # a random model does not stop at once: the comparison has substance
 
 
-def test_unequal_encoder_and_decoder_depths_export_with_parity(tmp_path):
-    """The shipped translator has 2 encoder and 4 decoder layers (the tiny preset 2 + 2): a 1 + 3 model's
-    graphs give PyTorch's logits and greedy tokens, so no graph mixes up the two depths."""
-    from export.bundle import Variant
-
-    ck_dir = tiny_checkpoint(tmp_path / "ck", "translate", n_encoder_layers=1, n_decoder_layers=3)
-    build_bundle(ck_dir, tmp_path / "bundle", Variant("fp32"), check_sentences=0)
-    ck, bundle = load_checkpoint(ck_dir), load_bundle(tmp_path / "bundle")
-    assert (bundle.config.n_encoder_layers, bundle.config.n_decoder_layers) == (1, 3)
+def test_unequal_encoder_and_decoder_depths_export_with_parity(bundles):
+    """The shipped translator has 2 encoder and 4 decoder layers (the tiny preset 2 + 2): the tiny translator
+    of these tests has 2 + 3 (tests/helpers_tiny.py), and its graphs give PyTorch's logits and greedy tokens,
+    so no graph mixes up the two depths."""
+    ck, bundle = load_checkpoint(checkpoint_of(bundles["translate"])), load_bundle(bundles["translate"])
+    assert (bundle.config.n_encoder_layers, bundle.config.n_decoder_layers) == (2, 3)
     batch, lengths = SYNTHETIC_BATCHES[-1]
     for graph in ("decoder", "decoder_cpu"):
         rt = ModelRuntime(bundle, n_slots=9, provider="cpu", decoder_graph=graph)
