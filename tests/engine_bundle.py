@@ -45,6 +45,9 @@ def cached_bundle(task: str) -> tuple[Path, object]:
     if task not in _CACHE:
         import tempfile
 
+        # as tests/helpers_tiny.py: the machine is shared, and one thread is faster than two oversubscribed
+        # (the export, and the tests that run this model as the reference)
+        torch.set_num_threads(1)
         model, cfg = tiny_model(task)
         out = Path(tempfile.mkdtemp(prefix=f"kvserve-{task}-")) / "bundle"
         _CACHE[task] = (write_bundle(model, cfg, task, out), model)
