@@ -1,5 +1,6 @@
 """Shared by tests/test_deploy*.py: load the deploy/ scripts (plain scripts, not a package) as modules,
-and render the kustomize overlays once per test session."""
+render the kustomize overlays once per test session, and read each of kubernetes-validate's schema files
+once per test session (`cache_kubernetes_schemas`)."""
 from __future__ import annotations
 
 import functools
@@ -16,10 +17,23 @@ DEPLOY = REPO / "deploy"
 OVERLAYS = ("gpu", "cpu", "gpu-volume")
 
 
+def cache_kubernetes_schemas() -> None:
+    """kubernetes-validate parses a kind's schema file and the 1 MB definitions file at every validate() call
+    (0.2 s of a validate_docs' 0.3 s, and the deploy tests call validate_docs dozens of times); the files are
+    the installed package's, so one parse per test session gives the same schemas, which are only read.
+    Done when deploy/validate.py is first loaded."""
+    import kubernetes_validate.utils as kv
+
+    if not hasattr(kv.schema_contents, "cache_info"):
+        kv.schema_contents = functools.lru_cache(maxsize=None)(kv.schema_contents)
+
+
 @functools.lru_cache(maxsize=None)
 def load(relpath: str) -> ModuleType:
     """Import deploy/<relpath>.py once, under a name that cannot clash with other modules."""
     name = "kvserve_deploy_" + relpath.replace("/", "_")
+    if relpath == "validate":
+        cache_kubernetes_schemas()
     spec = importlib.util.spec_from_file_location(name, DEPLOY / f"{relpath}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -9,6 +9,7 @@ from kvserve.export import ExportError, build_bundle, register
 from export.evaluate import greedy_decode
 from export.parity import FP32_TOLERANCE, SYNTHETIC_BATCHES, TorchRuntime, lockstep, synthetic_inputs
 from export.variants import count_ops
+from export_once import shared_exports
 from model.checkpoint import load_checkpoint
 from serving.engine.runtime import ModelRuntime
 from tests.helpers_tiny import checkpoint_of, tiny_bundle, tiny_checkpoint
@@ -83,15 +84,12 @@ def test_greedy_outputs_identical_to_pytorch(bundles, task, graph):
     assert sum(map(len, a)) > 7 * 5  # a random model does not stop at once: the comparison has substance
 
 
-def test_unequal_encoder_and_decoder_depths_export_with_parity(tmp_path):
-    """The shipped translator has 2 encoder and 4 decoder layers (the tiny preset 2 + 2): a 1 + 3 model's
-    graphs give PyTorch's logits and greedy tokens, so no graph mixes up the two depths."""
-    from export.bundle import Variant
-
-    ck_dir = tiny_checkpoint(tmp_path / "ck", "translate", n_encoder_layers=1, n_decoder_layers=3)
-    build_bundle(ck_dir, tmp_path / "bundle", Variant("fp32"), check_sentences=0)
-    ck, bundle = load_checkpoint(ck_dir), load_bundle(tmp_path / "bundle")
-    assert (bundle.config.n_encoder_layers, bundle.config.n_decoder_layers) == (1, 3)
+def test_unequal_encoder_and_decoder_depths_export_with_parity(bundles):
+    """The shipped translator has 2 encoder and 4 decoder layers (the tiny preset 2 + 2): the tiny translator
+    of these tests has 2 + 3 (tests/helpers_tiny.py), and its graphs give PyTorch's logits and greedy tokens,
+    so no graph mixes up the two depths."""
+    ck, bundle = load_checkpoint(checkpoint_of(bundles["translate"])), load_bundle(bundles["translate"])
+    assert (bundle.config.n_encoder_layers, bundle.config.n_decoder_layers) == (2, 3)
     batch, lengths = SYNTHETIC_BATCHES[-1]
     for graph in ("decoder", "decoder_cpu"):
         rt = ModelRuntime(bundle, n_slots=9, provider="cpu", decoder_graph=graph)
@@ -113,6 +111,8 @@ def test_manifest_records_hashes_source_and_parity(bundles):
 
 
 def test_export_command_prints_report_and_refuses_to_overwrite_without_force(tmp_path, capsys):
+    """The command around build_bundle; the ONNX export of these weights (tests/engine_bundle.py's random
+    generate model) is shared with the test run's other bundles of them (tests/export_once.py)."""
     ck = tiny_checkpoint(tmp_path / "ck", "generate", train_steps=0)
     out = tmp_path / "bundle"
     out.mkdir()
@@ -124,7 +124,8 @@ def test_export_command_prints_report_and_refuses_to_overwrite_without_force(tmp
         args.func(args)
     assert (out / "precious.txt").read_text() == "keep me"
     args = parser.parse_args(["export", str(ck), "--out", str(out), "--threads", "1", "--force"])
-    assert args.func(args) == 0
+    with shared_exports():
+        assert args.func(args) == 0
     report = capsys.readouterr().out
     assert "decoder.onnx" in report and "logits max-abs" in report and "timings" in report
     assert not (out / "precious.txt").exists()
