@@ -13,7 +13,9 @@ import pytest
 
 from bench.cli import SECTIONS, Artifacts, bench
 from bench.compute import flops_per_token, matmul_weights_per_token, peak_gemm, workload_flops
-from bench.report import http_verdict, render, t
+from bench.markdown import t
+from bench.report import render
+from bench.report_http import http_verdict
 from bench.http import COMPLETIONS, HttpPlan, bench_serve_config, summarize
 from bench.translate import RunResult, identical_share, load_sentences
 
