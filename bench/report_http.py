@@ -153,34 +153,36 @@ def render_http(b: dict[str, Any], inproc: dict[str, Any] | None = None) -> list
     return out + ([versus, ""] if versus else []) + _commands(b)
 
 
+def _subsection(title: str, b: dict[str, Any], intro: str, table: str) -> list[str]:
+    """A section 1 subsection: its date, what was run, its table and commands (or why it failed)."""
+    out = [f"### {title}", ""]
+    if not b.get("ok"):
+        return out + _failed(b) + _commands(b)
+    return out + [_section_date(b), "", intro, "", table, "", *_commands(b)]
+
+
 def render_http_path(b: dict[str, Any]) -> list[str]:
     from bench.http_path import markdown
 
-    out = ["### The HTTP path, per data plane and placement: what each process spends", ""]
-    if not b.get("ok"):
-        return out + _failed(b) + _commands(b)
-    return out + [_section_date(b), "",
-                  f"{b['clients']} closed-loop clients, {b['tokens']} sampled tokens per request, {b['seconds']:g} s "
-                  "measured per run; the generate model, 32 KV slots, 1 ONNX Runtime thread. Proxy `python`: Ray's "
-                  "Python proxy actor (Ray's default); `haproxy`: Serve's HAProxy data plane (kvserve's). Placement "
-                  "`split`: the model in its own deployment; `colocated`: in the ingress replica (`kvserve serve`'s "
-                  "default). CPU: CPU seconds per second of each process (1.00 = a core). How a request travels: "
-                  "[docs/http_path.md](http_path.md).", "", markdown(b), "", *_commands(b)]
+    return _subsection("The HTTP path, per data plane and placement: what each process spends", b,
+                       f"{b.get('clients')} closed-loop clients, {b.get('tokens')} sampled tokens per request, "
+                       f"{b.get('seconds', 0):g} s measured per run; the generate model, 32 KV slots, 1 ONNX Runtime "
+                       "thread. Proxy `python`: Ray's Python proxy actor (Ray's default); `haproxy`: Serve's HAProxy "
+                       "data plane (kvserve's). Placement `split`: the model in its own deployment; `colocated`: in "
+                       "the ingress replica (`kvserve serve`'s default). CPU: CPU seconds per second of each process "
+                       "(1.00 = a core). How a request travels: [docs/http_path.md](http_path.md).",
+                       markdown(b) if b.get("ok") else "")
 
 
 def render_agreement(b: dict[str, Any]) -> list[str]:
     from bench.agreement import markdown
 
-    out = ["### Load generators agree: `kvserve loadtest` vs Locust", ""]
-    if not b.get("ok"):
-        return out + _failed(b) + _commands(b)
-    return out + [_section_date(b), "",
-                  f"The same server (placement `{b['placement']}`), {b['clients']} closed-loop clients each, "
-                  f"non-streaming /v1/completions of {b['tokens']} sampled tokens, {b['seconds']:g} s per run, the "
-                  "two tools in turns (order alternated). Locust runs headless in its own process with "
-                  "loadtest/locustfile.py, which counts the output tokens of every answer.", "", markdown(b), "",
-                  *_commands(b)]
-
+    return _subsection("Load generators agree: `kvserve loadtest` vs Locust", b,
+                       f"The same server (placement `{b.get('placement')}`), {b.get('clients')} closed-loop clients "
+                       f"each, non-streaming /v1/completions of {b.get('tokens')} sampled tokens, "
+                       f"{b.get('seconds', 0):g} s per run, the two tools in turns (order alternated). Locust runs "
+                       "headless in its own process with loadtest/locustfile.py, which counts the output tokens of "
+                       "every answer.", markdown(b) if b.get("ok") else "")
 
 
 def http_summary(sections: dict[str, dict[str, Any]]) -> list[str]:
