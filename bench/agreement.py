@@ -34,18 +34,18 @@ CLIENTS, TOKENS = 32, 64
 LOCUST_TOTAL = re.compile(r"kvserve locust: output tokens (\d+) in ([\d.]+) s = ([\d.]+) tokens/s")
 
 
-def kvserve_loadtest(url: str, data_dir: Path, seconds: float) -> float:
+def kvserve_loadtest(url: str, data_dir: Path, seconds: float, tokens: int = TOKENS) -> float:
     cfg = LoadConfig(url, workload=Workload.COMPLETIONS, concurrency=CLIENTS, duration_s=seconds, warmup_s=0.0,
-                     seed=0, max_tokens=TOKENS, min_tokens=TOKENS, stream=False, temperature=1.0,
+                     seed=0, max_tokens=tokens, min_tokens=tokens, stream=False, temperature=1.0,
                      data_dir=data_dir, timeout_s=60, scrape_metrics=False)
     return float(asyncio.run(run_load(cfg)).throughput["output_tokens_per_s"])
 
 
-def locust(url: str, data_dir: Path, seconds: float, work: Path) -> float:
+def locust(url: str, data_dir: Path, seconds: float, work: Path, tokens: int = TOKENS) -> float:
     exe = shutil.which("locust") or str(Path(sys.executable).with_name("locust"))
     cmd = [exe, "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "--host", url,
            "--users", str(CLIENTS), "--spawn-rate", str(CLIENTS), "--run-time", f"{seconds:g}s", "--stop-timeout",
-           "30", "--workload", "completions", "--max-tokens", str(TOKENS), "--stream", "no", "--data-dir",
+           "30", "--workload", "completions", "--max-tokens", str(tokens), "--stream", "no", "--data-dir",
            str(data_dir), "--json-file", str(work / "locust"), "--only-summary"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=seconds + 120)
     found = LOCUST_TOTAL.search(out.stderr + out.stdout)
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compare(bundle: Path, data_dir: Path, seconds: float, rounds: int, work: Path) -> dict[str, Any]:
+def compare(bundle: Path, data_dir: Path, seconds: float, rounds: int, work: Path,
+            tokens: int = TOKENS) -> dict[str, Any]:
     """Both load generators in turns against one bench server; their output tokens/s and the ratio."""
     work.mkdir(parents=True, exist_ok=True)
     plan = HttpPlan(concurrency=CLIENTS, slots=CLIENTS, threads=1)
@@ -79,14 +80,16 @@ def compare(bundle: Path, data_dir: Path, seconds: float, rounds: int, work: Pat
             order = ["kvserve loadtest", "locust"] if rnd % 2 == 0 else ["locust", "kvserve loadtest"]
             for tool in order:
                 t0 = time.monotonic()
-                tps = (kvserve_loadtest(server.url, data_dir, seconds) if tool == "kvserve loadtest"
-                       else locust(server.url, data_dir, seconds, work))
+                tps = (kvserve_loadtest(server.url, data_dir, seconds, tokens) if tool == "kvserve loadtest"
+                       else locust(server.url, data_dir, seconds, work, tokens))
                 rows.append({"round": rnd, "tool": tool, "output_tokens_per_s": tps,
                              "wall_s": round(time.monotonic() - t0, 1)})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     mean = {tool: sum(r["output_tokens_per_s"] for r in rows if r["tool"] == tool) / rounds
             for tool in ("kvserve loadtest", "locust")}
-    return {"clients": CLIENTS, "tokens": TOKENS, "seconds": seconds, "placement": plan.placement,
+    if not all(mean.values()):
+        raise RuntimeError(f"a load generator counted no output tokens ({mean}): the requests failed")
+    return {"clients": CLIENTS, "tokens": tokens, "seconds": seconds, "placement": plan.placement,
             "rows": rows, "mean": mean, "locust_over_kvserve": mean["locust"] / mean["kvserve loadtest"]}
 
 

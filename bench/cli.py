@@ -50,6 +50,7 @@ class BenchPlan:
     http_path_seconds: float = 10.0
     agreement_seconds: float = 30.0
     agreement_rounds: int = 2
+    path_tokens: int = 64  # output tokens per request of the http_path and agreement sections
     step_batches: tuple[int, ...] = (1, 16)
     step_context: int = 32
     step_iters: int = 200
@@ -78,7 +79,7 @@ QUICK = BenchPlan(
     engine_requests_per_client=1, engine_min_new=2, engine_max_new=8, translate_sentences=8,
     translate_concurrency=(1, 4), translate_rounds=1, translate_max_new=16, gemm_n=256, gemm_reps=2,
     sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16), http_path_seconds=2.0,
-    agreement_seconds=3.0, agreement_rounds=1)
+    agreement_seconds=3.0, agreement_rounds=1, path_tokens=4)
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,8 @@ def section_http_path(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
     from bench.http_path import run
 
     servers = list(HTTP_PATH_SERVERS)
-    result = run(art.require_bundle("generate"), art.data, plan.http_path_seconds, servers, art.work / "http_path")
+    result = run(art.require_bundle("generate"), art.data, plan.http_path_seconds, servers, art.work / "http_path",
+                 tokens=plan.path_tokens)
     commands.append(f"python -m bench.http_path --data-plane python,haproxy --placement split,colocated --seconds "
                     f"{plan.http_path_seconds:g}   # the bench runs {servers}")
     return result
@@ -221,7 +223,7 @@ def section_agreement(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
     from bench.agreement import compare
 
     result = compare(art.require_bundle("generate"), art.data, plan.agreement_seconds, plan.agreement_rounds,
-                     art.work / "agreement")
+                     art.work / "agreement", plan.path_tokens)
     commands.append(f"python -m bench.agreement --seconds {plan.agreement_seconds:g} --rounds {plan.agreement_rounds}")
     return result
 

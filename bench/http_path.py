@@ -128,9 +128,10 @@ def top_frames(path: Path, n: int = 12) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in sorted(inclusive.items(), key=lambda kv: -kv[1])[:n]] if total else []
 
 
-def _load(url: str, workload: Workload, stream: bool, seconds: float, data_dir: Path, scrape: bool = False) -> Any:
+def _load(url: str, workload: Workload, stream: bool, seconds: float, data_dir: Path, scrape: bool = False,
+          tokens: int = TOKENS) -> Any:
     cfg = LoadConfig(url, workload=workload, concurrency=CLIENTS, duration_s=seconds, warmup_s=min(2.0, seconds / 4),
-                     seed=0, max_tokens=TOKENS, min_tokens=TOKENS, stream=stream, temperature=1.0,
+                     seed=0, max_tokens=tokens, min_tokens=tokens, stream=stream, temperature=1.0,
                      data_dir=data_dir, timeout_s=60, scrape_metrics=scrape)
     return asyncio.run(run_load(cfg))
 
@@ -157,7 +158,7 @@ def data_plane(name: str) -> Iterator[None]:
 
 def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, work: Path,
               placement: str = "colocated", profile_dir: Path | None = None,
-              plane: str = "haproxy") -> list[dict[str, Any]]:
+              plane: str = "haproxy", tokens: int = TOKENS) -> list[dict[str, Any]]:
     """Both runs against one server whose generate model streams with `interval_s`, in the ingress replica
     (`colocated`, as `kvserve serve` runs it) or in its own deployment (`split`), behind `plane`'s proxy."""
     import bench.http as bench_http
@@ -175,12 +176,12 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
     try:
         with data_plane(plane), BenchServer(ROOT / "deploy" / "serve_config.yaml", bundle, plan, work) as server:
             for name, workload, stream in RUNS:
-                _load(server.url, workload, stream, 3.0, data_dir)  # warm-up
+                _load(server.url, workload, stream, 3.0, data_dir, tokens=tokens)  # warm-up
                 shares = CpuShares()
                 shares.start()
                 tag = f"{plane}-{placement}-{'stream' if stream else 'complete'}-{interval_s:g}"
                 profiles = Profiles(profile_dir, shares, tag, seconds)
-                report = _load(server.url, workload, stream, seconds, data_dir, scrape=True)
+                report = _load(server.url, workload, stream, seconds, data_dir, scrape=True, tokens=tokens)
                 cpu = shares.stop()
                 batch = (report.server or {}).get("batch_size") or {}
                 for path in profiles.wait():
@@ -199,13 +200,13 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
     return out
 
 
-def inprocess_tokens_per_s(bundle: Path, work: Path) -> float:
+def inprocess_tokens_per_s(bundle: Path, work: Path, tokens: int = TOKENS) -> float:
     """The engine alone, in this process (bench/engine.py): 32 clients, 32 slots, 1 thread, 64 tokens each."""
     import bench.engine as bench_engine
 
     out = work / "engine.json"
     bench_engine.main([str(bundle), "--concurrency", str(CLIENTS), "--modes", "continuous", "--rounds", "2",
-                       "--min-new", str(TOKENS), "--max-new", str(TOKENS), "--slots", str(CLIENTS),
+                       "--min-new", str(tokens), "--max-new", str(tokens), "--slots", str(CLIENTS),
                        "--threads", "1", "--out", str(out)])
     return float(json.loads(out.read_text())["summary"][0]["busy_tokens_per_s"])  # steady state, as bench.engine reports
 
@@ -250,15 +251,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(bundle: Path, data_dir: Path, seconds: float, servers: list[tuple[str, str]], work: Path,
-        intervals: list[float] = (0.0,), profile_dir: Path | None = None) -> dict[str, Any]:
+        intervals: list[float] = (0.0,), profile_dir: Path | None = None, tokens: int = TOKENS) -> dict[str, Any]:
     """Every (data plane, placement) server in turn, both APIs each; the engine in-process before and after."""
     work.mkdir(parents=True, exist_ok=True)
-    inproc = [inprocess_tokens_per_s(bundle, work)]
+    inproc = [inprocess_tokens_per_s(bundle, work, tokens)]
     runs = [r for plane, placement in servers for s in intervals
-            for r in http_runs(bundle, data_dir, s, seconds, work, placement, profile_dir, plane)]
-    inproc.append(inprocess_tokens_per_s(bundle, work))
+            for r in http_runs(bundle, data_dir, s, seconds, work, placement, profile_dir, plane, tokens)]
+    inproc.append(inprocess_tokens_per_s(bundle, work, tokens))
+    failed = [f"{r['data_plane']}/{r['placement']} {r['run']}: {r['errors']}" for r in runs if not r["succeeded"]]
+    if failed:
+        raise RuntimeError("runs with no successful request: " + "; ".join(failed))
     return {"runs": runs, "inprocess_runs": inproc, "inprocess_tokens_per_s": sum(inproc) / len(inproc),
-            "clients": CLIENTS, "tokens": TOKENS, "seconds": seconds}
+            "clients": CLIENTS, "tokens": tokens, "seconds": seconds}
 
 
 if __name__ == "__main__":
