@@ -288,7 +288,10 @@ def test_quick_bench_runs_every_section_on_tiny_bundles(tmp_path):
     assert {(r["phase"], r["mode"]) for r in http["runs"]} == {
         ("closed", "request, wait 50 ms"), ("completions", COMPLETIONS), *((p, m) for p in ("closed", "open-a", "open-b")
                                               for m in ("continuous", "request", "none"))}
-    assert all(r["succeeded"] > 0 and r["failed"] == 0 for r in http["runs"])
+    # Closed loops never overload; the open loops' rates come from 2 s closed-loop runs, and a colocated engine's
+    # bounded queue (max_waiting) answers an arrival it cannot hold with 429, never with another error.
+    assert all(r["succeeded"] > 0 and r["failed"] == 0 for r in http["runs"] if r["phase"] in ("closed", "completions"))
+    assert all(r["succeeded"] > 0 and set(r["errors"]) <= {"429"} for r in http["runs"])
     assert len(http["replica_pids"]) == 1  # the mode changed live, on the same replica
     tr = json.loads((art / "bench" / "translate.json").read_text())
     assert tr["conversion"]["greedy_identical"].startswith("8/8")
