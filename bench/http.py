@@ -131,20 +131,23 @@ def live_knobs(raw: dict[str, Any]) -> dict[str, Any]:
     """The bench model's batching knobs in a bench config: its deployment's user_config, or the ingress's
     `models.<name>` when it is colocated."""
     app = raw["applications"][0]
-    if next(m for m in app["args"]["models"] if m["name"] == MODEL).get("colocated"):
+    if _colocated(raw):
         ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
         return ingress["user_config"]["models"][MODEL]
     return next(d for d in app["deployments"] if d["name"] == MODEL)["user_config"]
 
 
-def model_info() -> dict[str, Any]:
-    """The bench model's `info()`: from its deployment, or from the ingress replica it is colocated in."""
+def _colocated(raw: dict[str, Any]) -> bool:
+    return bool(next(m for m in raw["applications"][0]["args"]["models"] if m["name"] == MODEL).get("colocated"))
+
+
+def model_info(raw: dict[str, Any]) -> dict[str, Any]:
+    """The bench model's `info()`: from the ingress replica it is colocated in, or from its own deployment."""
     from ray import serve
 
-    try:
-        return serve.get_deployment_handle(MODEL, app_name=APP).info.remote().result()
-    except Exception:  # no such deployment: the model is colocated
+    if _colocated(raw):
         return serve.get_deployment_handle("ingress", app_name=APP).model_info.remote(MODEL).result()
+    return serve.get_deployment_handle(MODEL, app_name=APP).info.remote().result()
 
 
 class BenchServer:
@@ -189,7 +192,7 @@ class BenchServer:
         start(raw, timeout_s=MODE_SWITCH_TIMEOUT_S)
         deadline = time.monotonic() + MODE_SWITCH_TIMEOUT_S
         while True:
-            info = model_info()
+            info = model_info(raw)
             if all(info["live"].get(k) == v for k, v in live.items()):
                 self.pids.add(int(info["pid"]))
                 return

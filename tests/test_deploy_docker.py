@@ -62,7 +62,7 @@ def test_image_runs_as_non_root_with_its_serve_config(variant: str) -> None:
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and all(int(u.split(":")[0]) >= 1000 for u in users), users
     assert f"deploy/docker/serve_config.{variant}.yaml /etc/kvserve/serve_config.yaml" in text
-    assert 'CMD ["kvserve", "serve", "--config", "/etc/kvserve/serve_config.yaml", "--host", "0.0.0.0"]' in text
+    assert 'CMD ["kvserve", "serve", "--config", "/etc/kvserve/serve_config.yaml", "--host", "0.0.0.0", "--placement", "split"]' in text
     pod_users = {g["template"]["spec"]["securityContext"]["runAsUser"]
                  for o in ("gpu", "cpu") for d in rendered_lite(o) if d["kind"] == "RayService"
                  for g in [d["spec"]["rayClusterConfig"]["headGroupSpec"],
@@ -258,7 +258,7 @@ sys.meta_path.insert(0, Absent())
 import kvserve.cli
 assert kvserve.cli.__file__.startswith(sys.argv[2]), kvserve.cli.__file__
 args = kvserve.cli.build_parser().parse_args(sys.argv[3:])
-print(args.func.__module__, args.config, args.host)
+print(args.func.__module__, args.config, args.host, args.placement)
 """
 
 
@@ -272,4 +272,4 @@ def test_kvserve_serve_starts_from_the_image_sources_without_the_packages_it_lea
                           cwd=cpu_image_src.parent, env={"PYTHONPATH": str(cpu_image_src), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["kvserve.serve", "/etc/kvserve/serve_config.yaml", "0.0.0.0"]
+    assert done.stdout.split() == ["kvserve.serve", "/etc/kvserve/serve_config.yaml", "0.0.0.0", "split"]
