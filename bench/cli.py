@@ -10,6 +10,8 @@ Sections, each measured side by side (alternated, medians, ratios) on this machi
     http       continuous vs request-level vs no batching through a real Ray Serve app (bench/http.py)
     http_path  tokens/s through HTTP vs in-process and every process's CPU, per data plane and placement
                (bench/http_path.py): Ray's Python proxy with a model deployment, then kvserve's defaults
+    breakdown  an engine step's time inside ONNX Runtime vs the Python around it, per batch size, for both
+               models, this tree's engine beside the one at `BenchPlan.baseline` (bench/breakdown.py)
     agreement  `kvserve loadtest` vs Locust headless on the same server and requests (bench/agreement.py)
 Raw results go to ARTIFACTS/bench/ (one JSON per section, the load reports, the Serve config used, the
 CTranslate2 model); `--sections` re-runs some sections and renders the doc with the saved others (their
@@ -36,7 +38,7 @@ from typing import Any, Callable
 
 from bench.http import HttpPlan
 
-SECTIONS = ("compute", "inprocess", "translate", "http", "http_path", "agreement")
+SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "agreement")
 # http_path: Ray's default data plane and placement (what kvserve ran before choosing), then kvserve serve's
 HTTP_PATH_SERVERS = (("python", "split"), ("haproxy", "split"), ("haproxy", "colocated"))
 WEIGHTS = "model.safetensors"  # a checkpoint's weights file (model/checkpoint.py)
@@ -64,6 +66,14 @@ class BenchPlan:
     translate_concurrency: tuple[int, ...] = (1, 8, 32)
     translate_rounds: int = 3
     translate_max_new: int = 128
+    translate_precisions: tuple[str, ...] = ("fp32", "int8")  # ours vs CTranslate2, each pair on its own weights
+    breakdown_concurrency: tuple[int, ...] = (1, 8, 32)
+    breakdown_rounds: int = 3
+    breakdown_requests_per_client: int = 4
+    breakdown_max_new: int = 64
+    # The engine measured beside this tree's in the breakdown section (before/after): the last commit before
+    # the step-time work of the engine (IOBindings bound once, ...). None: this tree's engine alone.
+    baseline: str | None = "6a31290"
     gemm_n: int = 2048
     gemm_reps: int = 5
     sweep_batches: tuple[int, ...] = (1, 8, 32, 64)
@@ -79,7 +89,8 @@ QUICK = BenchPlan(
     engine_requests_per_client=1, engine_min_new=2, engine_max_new=8, translate_sentences=8,
     translate_concurrency=(1, 4), translate_rounds=1, translate_max_new=16, gemm_n=256, gemm_reps=2,
     sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16), http_path_seconds=2.0,
-    agreement_seconds=3.0, agreement_rounds=1, path_tokens=4)
+    agreement_seconds=3.0, agreement_rounds=1, path_tokens=4, breakdown_concurrency=(1, 4), breakdown_rounds=1,
+    breakdown_requests_per_client=1, breakdown_max_new=8, baseline=None)
 
 
 @dataclass(frozen=True)
@@ -178,17 +189,55 @@ def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
 
 
 def section_translate(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    """fp32 vs fp32, then int8 vs int8: our batch-invariant int8 bundle (exported from the same checkpoint when
+    missing) against CTranslate2's int8 conversion of the same weights."""
     from bench.translate import compare, load_sentences
 
     bundle = art.require_bundle("translate")
-    ckpt, ct2_dir = art.checkpoint_of(bundle), art.work / "ct2-translate"
-    args = ["export", _rel(ckpt), "--format", "ctranslate2", "--out", _rel(ct2_dir), "--force"]
-    convert = json.loads(_run([sys.executable, "-m", "kvserve.cli", *args], ["kvserve", *args], commands))
+    ckpt = art.checkpoint_of(bundle)
     sentences = load_sentences(art.data, plan.translate_sentences)
-    result = compare(bundle, ct2_dir, sentences, list(plan.translate_concurrency), plan.translate_rounds,
-                     plan.threads, plan.translate_max_new)
-    return {**result, "bundle": _rel(bundle), "checkpoint": _rel(ckpt), "ct2_model": _rel(ct2_dir),
-            "conversion": convert}
+    out: dict[str, Any] = {}
+    for precision in plan.translate_precisions:
+        ours = bundle if precision == "fp32" else art.bundle(f"translate-{precision}")
+        if precision != "fp32" and not _bundle_of(ours, art, ckpt):
+            args = ["export", _rel(ckpt), "--variant", precision, "--out", _rel(ours), "--force",
+                    "--check-sentences", "0"]
+            _run([sys.executable, "-m", "kvserve.cli", *args], ["kvserve", *args], commands)
+        ct2_dir = art.work / ("ct2-translate" if precision == "fp32" else f"ct2-translate-{precision}")
+        args = ["export", _rel(ckpt), "--format", "ctranslate2", "--out", _rel(ct2_dir), "--force",
+                *(["--ct2-quantization", precision] if precision != "fp32" else [])]
+        convert = json.loads(_run([sys.executable, "-m", "kvserve.cli", *args], ["kvserve", *args], commands))
+        result = compare(ours, ct2_dir, sentences, list(plan.translate_concurrency), plan.translate_rounds,
+                         plan.threads, plan.translate_max_new, ct2_compute_type=precision)
+        body = {**result, "precision": precision, "bundle": _rel(ours), "checkpoint": _rel(ckpt),
+                "ct2_model": _rel(ct2_dir), "conversion": convert}
+        if precision == "fp32":
+            out.update(body)
+        else:
+            out.setdefault("variants", {})[precision] = body
+    return out
+
+
+def _bundle_of(bundle: Path, art: Artifacts, ckpt: Path) -> bool:
+    """`bundle` exists and was exported from the weights in `ckpt`."""
+    try:
+        return (bundle / "manifest.json").is_file() and art.checkpoint_of(bundle).resolve() == ckpt.resolve()
+    except FileNotFoundError:
+        return False
+
+
+def section_breakdown(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    from bench.breakdown import run
+
+    bundles = [art.require_bundle("generate"), art.require_bundle("translate")]
+    p = plan
+    result = run(bundles, list(p.breakdown_concurrency), p.threads, p.breakdown_rounds, p.breakdown_requests_per_client,
+                 max_new=p.breakdown_max_new, baseline=p.baseline)
+    commands.append(shlex.join(["python", "-m", "bench.breakdown", *map(_rel, bundles), "--concurrency",
+                                *map(str, p.breakdown_concurrency), "--threads", str(p.threads), "--rounds",
+                                str(p.breakdown_rounds), "--requests-per-client", str(p.breakdown_requests_per_client),
+                                "--max-new", str(p.breakdown_max_new), *(["--baseline", p.baseline] if p.baseline else [])]))
+    return result
 
 
 def section_http(art: Artifacts, plan: BenchPlan, commands: list[str], shipped: Path) -> dict[str, Any]:
@@ -232,7 +281,8 @@ def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: 
     """Run the given sections in order; each one's JSON (or its error) is saved to the work dir."""
     runners: dict[str, Callable[..., dict[str, Any]]] = {
         "compute": section_compute, "inprocess": section_inprocess, "translate": section_translate,
-        "http": lambda a, p, c: section_http(a, p, c, shipped), "http_path": section_http_path,
+        "breakdown": section_breakdown, "http": lambda a, p, c: section_http(a, p, c, shipped),
+        "http_path": section_http_path,
         "agreement": section_agreement}
     results = {}
     for name in sections:

@@ -64,21 +64,19 @@ def translate_reading(b: dict[str, Any]) -> str:
     return ("Throughput " + "; ".join(parts) + f". Identical outputs (token for token): {same}.")
 
 
-def render_translate(b: dict[str, Any]) -> list[str]:
-    out = ["## 3. Translation: our engine vs CTranslate2 on the same weights", ""]
-    if not b.get("ok"):
-        return out + _failed(b) + _commands(b)
-    out += [_section_date(b), "",
-            f"Bundle `{b['bundle']}` and its checkpoint `{b['checkpoint']}` converted to CTranslate2 "
-            f"(`{b['ct2_model']}`; the converter's own check: {b['conversion'].get('greedy_identical')} identical "
-            f"to PyTorch). {b['source']}. Greedy, at most {b['max_new_tokens']} output tokens, "
-            f"{b['threads']} intra-op thread(s) each. Ours: concurrency C = C clients in a closed loop on the "
-            f"continuous-batching engine, in-process. CTranslate2: `Translator.translate_batch` on consecutive "
-            f"chunks of C sentences (batch = C); each sentence's latency is its chunk's. Systems alternated, "
-            f"medians of {b['rounds']} round(s).", "",
-            "| C = batch | ours sent/s | CT2 sent/s | ours / CT2 | ours tok/s | CT2 tok/s | ours p50 | CT2 p50 | "
-            "ours p99 | CT2 p99 | identical outputs |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def translate_pairs(b: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(precision, result) of every pair measured: fp32 (the section's top level), then its variants."""
+    return [(b.get("precision", "fp32"), b), *b.get("variants", {}).items()]
+
+
+def _translate_table(b: dict[str, Any], precision: str) -> list[str]:
+    out = [f"### {precision} vs {precision}", "",
+           f"Ours: bundle `{b['bundle']}`. CTranslate2: `{b['ct2_model']}` (compute type "
+           f"{b.get('ct2_compute_type', 'float32')}; the converter's own check: "
+           f"{b['conversion'].get('greedy_identical')} identical to PyTorch).", "",
+           "| C = batch | ours sent/s | CT2 sent/s | ours / CT2 | ours tok/s | CT2 tok/s | ours p50 | CT2 p50 | "
+           "ours p99 | CT2 p99 | identical outputs |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in b["rows"]:
         o, c = r["ours"], r["ct2"]
         out.append(f"| {r['concurrency']} | {o['sentences_per_s']:.1f} | {c['sentences_per_s']:.1f} | "
@@ -86,19 +84,72 @@ def render_translate(b: dict[str, Any]) -> list[str]:
                    f"{t(o['latency_p50_s'])} | {t(c['latency_p50_s'])} | {t(o['latency_p99_s'])} | "
                    f"{t(c['latency_p99_s'])} | {100 * r['identical']:.1f}% |")
     out += ["", translate_reading(b)]
-    slower = [r["concurrency"] for r in b["rows"] if r["throughput_ratio"] < 1]
-    if slower:
-        out.append(f"Where CTranslate2 is ahead (concurrency {', '.join(map(str, slower))}), the gap is overhead per "
-                   "step, not arithmetic (the same weights, and the outputs compare above): CTranslate2 runs a whole "
-                   "batch's greedy loop inside one C++ call, while our engine returns to Python between steps to "
-                   "schedule, choose tokens and stream each token to its request. That is the price of continuous "
-                   "batching and streaming, which `translate_batch` does not offer (its batch is gathered first, then "
-                   "run to its end: its latency column is the whole batch's).")
     if b["rows"][0].get("chrf_ours") is not None:
         out.append(f"chrF against the test-split references: ours {b['rows'][0]['chrf_ours']}, "
                    f"CTranslate2 {b['rows'][0]['chrf_ct2']}.")
     out.append("Our outputs are " + ("the same" if b.get("ours_batch_invariant") else "**not** all the same")
                + " at every concurrency (batching does not change a greedy translation).")
+    return out + [""]
+
+
+def render_translate(b: dict[str, Any]) -> list[str]:
+    out = ["## 3. Translation: our engine vs CTranslate2 on the same weights", ""]
+    if not b.get("ok"):
+        return out + _failed(b) + _commands(b)
+    out += [_section_date(b), "",
+            f"Each pair runs the same weights: the bundle's checkpoint `{b['checkpoint']}` converted to CTranslate2, "
+            f"fp32 as it is and int8 with CTranslate2's own int8 quantization against our int8 bundle (8-bit weights, "
+            f"per-row activation scales: batch-invariant). {b['source']}. Greedy, at most {b['max_new_tokens']} "
+            f"output tokens, {b['threads']} intra-op thread(s) each. Ours: concurrency C = C clients in a closed loop "
+            f"on the continuous-batching engine, in-process. CTranslate2: `Translator.translate_batch` on "
+            f"consecutive chunks of C sentences (batch = C); each sentence's latency is its chunk's. Systems "
+            f"alternated, medians of {b['rounds']} round(s).", ""]
+    for precision, r in translate_pairs(b):
+        out += _translate_table(r, precision)
+    slower = sorted({r["concurrency"] for _, p in translate_pairs(b) for r in p["rows"] if r["throughput_ratio"] < 1})
+    if slower:
+        out += [f"Where CTranslate2 is ahead (concurrency {', '.join(map(str, slower))}): CTranslate2 runs a whole "
+                "batch's greedy loop inside one C++ call, while our engine returns to Python between steps to "
+                "schedule, choose tokens and stream each token to its request (the step-time breakdown, section 5, "
+                "shows that share), and a sentence joins a running batch alone, so its encoder runs at batch 1. "
+                "`translate_batch` offers neither continuous batching nor streaming: its batch is gathered first, "
+                "then run to its end (its latency column is the whole batch's).", ""]
+    return out + _commands(b)
+
+
+# -- 5. Step-time breakdown --------------------------------------------------------------------------------------
+def breakdown_gain(b: dict[str, Any], model: str) -> tuple[float, float, int] | None:
+    """(this tree's tokens/s, the baseline's, clients) for `model` at the highest concurrency, when measured."""
+    engines = b.get("engines", {})
+    base = next((name for name in engines if name != "current"), None)
+
+    def at_top(models: list[dict[str, Any]]) -> dict[str, Any] | None:
+        rows = next((m["rows"] for m in models if m["bundle"].rstrip("/").endswith(model)), None)
+        return max(rows, key=lambda r: r["concurrency"]) if rows else None
+    now, before = (at_top(engines["current"]), at_top(engines[base])) if base else (None, None)
+    return (now["tokens_per_s"], before["tokens_per_s"], now["concurrency"]) if now and before else None
+
+
+def render_breakdown(b: dict[str, Any]) -> list[str]:
+    out = ["## 5. Where an engine step's time goes", ""]
+    if not b.get("ok"):
+        return out + _failed(b) + _commands(b)
+    from bench.breakdown import table
+
+    out += [_section_date(b), "",
+            f"Each model on one continuous-batching engine, in-process, C clients in a closed loop ({b['threads']} ORT "
+            f"thread(s), outputs of {b['min_new']}-{b['max_new']} tokens, greedy), timed from outside like a profiler: "
+            "a clock around every ONNX Runtime call per graph and around the worker thread's step (bench/breakdown.py). "
+            "`runner python` = the worker thread outside ORT (inputs, bindings, argmax, slot copies); `engine loop` = "
+            "the rest of the wall time (scheduling, events, finishing requests, thread hand-offs). "
+            + (f"`baseline {b['baseline']}` is the engine of that commit on the same bundles, alternated with this "
+               f"tree's in separate processes; " if b.get("baseline") else "")
+            + f"the fastest of {b['rounds']} round(s) each.", "", table(b), ""]
+    for model in ("generate", "translate"):
+        gain = breakdown_gain(b, model)
+        if gain:
+            out.append(f"{model}, {gain[2]} clients: {gain[0]:,.0f} tokens/s, {x(gain[0] / gain[1])} the baseline's "
+                       f"{gain[1]:,.0f}.")
     return out + [""] + _commands(b)
 
 
@@ -190,7 +241,15 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
             out.append(f"- Decode step vs PyTorch eager ({task}): {sp}.")
     tr = sections.get("translate", {})
     if tr.get("ok"):
-        out.append("- Translation vs CTranslate2: " + translate_reading(tr))
+        for precision, r in translate_pairs(tr):
+            out.append(f"- Translation vs CTranslate2, {precision} vs {precision}: " + translate_reading(r))
+    bd = sections.get("breakdown", {})
+    if bd.get("ok"):
+        for model in ("generate", "translate"):
+            gain = breakdown_gain(bd, model)
+            if gain:
+                out.append(f"- Engine in-process, {model}, {gain[2]} clients: {gain[0]:,.0f} tokens/s; the engine at "
+                           f"{bd['baseline']}, same run: {gain[1]:,.0f} tokens/s ({x(gain[0] / gain[1])}).")
     c = sections.get("compute", {})
     if c.get("ok") and i.get("ok"):
         from bench.compute import engine_best
@@ -224,6 +283,8 @@ def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: d
         out += render_translate(sections["translate"])
     if "compute" in sections:
         out += render_compute(sections["compute"], sections.get("inprocess"))
+    if "breakdown" in sections:
+        out += render_breakdown(sections["breakdown"])
     from bench.gpu_check.report import BENCHMARKS_SECTION  # measured apart: `make gpu-check` on a GPU machine
 
     out += [*BENCHMARKS_SECTION, "## Plan", "", "The settings of this run (bench/cli.py `BenchPlan`):", "", "```",

@@ -34,18 +34,20 @@ from bench.autoscale import single_model_config
 ROLES = (("ServeReplica:kvserve:ingress", "ingress"), ("ServeReplica:kvserve:generate", "replica"),
          ("ProxyActor", "proxy"))
 SAMPLE_S, BURST_EVERY_S, BURST = 10.0, 30.0, 64
+KINDS = ("plain",) * 5 + ("stream",) * 3 + ("drop", "giveup")  # the soak's mix of requests
 BODY = {"prompt": "the quick brown fox", "max_tokens": 32, "temperature": 1.0}
 
 
 def processes() -> dict[str, psutil.Process]:
-    """role -> the Ray process playing it (proxy, ingress, replica)."""
+    """role -> the Ray process playing it (proxy, ingress, replica), and HAProxy where Serve runs it."""
     out = {}
     for p in psutil.process_iter():
         try:
-            text = p.name() + " " + " ".join(p.cmdline())
+            name = p.name()
+            text = name + " " + " ".join(p.cmdline())
         except psutil.Error:
             continue
-        role = next((r for key, r in ROLES if key in text), None)
+        role = "haproxy" if name == "haproxy" else next((r for key, r in ROLES if key in text), None)
         if role and role not in out:
             out[role] = p
     return out
@@ -79,7 +81,6 @@ async def soak(base: str, rate: float, seconds: float, progress: bool = True) ->
     """Open-loop Poisson arrivals at `rate`/s for `seconds`, bursts every BURST_EVERY_S; samples every SAMPLE_S."""
     rng, procs, samples, window = random.Random(0), processes(), [], []
     statuses: Counter = Counter()
-    kinds = ["plain"] * 5 + ["stream"] * 3 + ["drop", "giveup"]
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
         tasks: set[asyncio.Task] = set()
@@ -91,7 +92,7 @@ async def soak(base: str, rate: float, seconds: float, progress: bool = True) ->
                                               window.append(t.result()[1]) if t.result()[0] == "200" else None))
         t0 = next_sample = next_burst = time.monotonic()
         while (now := time.monotonic()) - t0 < seconds:
-            launch(rng.choice(kinds))
+            launch(rng.choice(KINDS))
             if now >= next_burst:
                 for _ in range(BURST):
                     launch("plain")
@@ -137,14 +138,15 @@ def summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
 
 
 async def capacity(base: str, seconds: float = 20.0, clients: int = 32) -> float:
-    """Plain requests per second that `clients` closed-loop clients get through."""
-    done, t0 = 0, time.monotonic()
+    """Requests per second that `clients` closed-loop clients get through, each drawing its requests from the
+    soak's own mix (KINDS): the capacity of the load the soak then sends a share of."""
+    done, t0, rng = 0, time.monotonic(), random.Random(1)
     async with httpx.AsyncClient(base_url=base, timeout=120) as client:
         async def loop() -> None:
             nonlocal done
             while time.monotonic() - t0 < seconds:
-                status, _ = await _one(client, "plain")
-                done += status == "200"
+                await _one(client, rng.choice(KINDS))
+                done += 1
         await asyncio.gather(*(loop() for _ in range(clients)))
     return done / (time.monotonic() - t0)
 

@@ -124,7 +124,7 @@ def _median_summary(runs: list[RunResult]) -> dict[str, float]:
 
 
 async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrencies: list[int], rounds: int,
-                   threads: int, max_new: int) -> dict[str, Any]:
+                   threads: int, max_new: int, ct2_compute_type: str) -> dict[str, Any]:
     import ctranslate2
 
     from model.tokenizer import Tokenizer
@@ -139,7 +139,10 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
     vocab_list = [tok.hf.id_to_token(i) or f"<unused_{i}>" for i in range(engine.vocab_size)]
     src_tokens = [[vocab_list[i] for i in ids] for ids in src_ids]
     vocab = {t: i for i, t in enumerate(vocab_list)}
-    translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=threads, inter_threads=1)
+    # "fp32" -> float32 (the converted weights as they are); "int8" -> int8 (8-bit weights and int8 GEMMs)
+    compute_type = {"fp32": "float32"}.get(ct2_compute_type, ct2_compute_type)
+    translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=threads, inter_threads=1,
+                                        compute_type=compute_type)
     await engine.start()
     try:
         warm = min(len(src_ids), 8)  # warm both up (thread pools, first allocations) before timing
@@ -162,6 +165,7 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
     finally:
         await engine.stop()
     return {"sentences": len(src_ids), "source": sentences.source, "max_new_tokens": max_new, "threads": threads,
+            "ct2_compute_type": compute_type,
             "rounds": rounds, "concurrency": concurrencies, "rows": rows,
             "ours_batch_invariant": all(r["ours_same_as_first"] for r in rows)}
 
@@ -180,6 +184,8 @@ def _row(c: int, ours: list[RunResult], theirs: list[RunResult], tok: Any, refs:
 
 
 def compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrencies: list[int], rounds: int,
-            threads: int, max_new: int) -> dict[str, Any]:
-    """Run the side-by-side comparison; returns the section's JSON."""
-    return asyncio.run(_compare(bundle, ct2_dir, sentences, concurrencies, rounds, threads, max_new))
+            threads: int, max_new: int, ct2_compute_type: str = "fp32") -> dict[str, Any]:
+    """Run the side-by-side comparison; returns the section's JSON. `ct2_compute_type`: fp32 or int8 (the
+    CTranslate2 model at `ct2_dir` converted with that quantization)."""
+    return asyncio.run(_compare(bundle, ct2_dir, sentences, concurrencies, rounds, threads, max_new,
+                                ct2_compute_type))

@@ -156,7 +156,7 @@ class Report:
                f"(measured errors) |",
                f"| generated tokens | {_n(s.get('generated_tokens'))} | {t['all_output_tokens']} |",
                f"| prompt tokens | {_n(s.get('prompt_tokens'))} | {t['all_prompt_tokens']} |",
-               f"| batch size per step (mean / p50 / p90) | " + (
+               "| batch size per step (mean / p50 / p90) | " + (
                    f"{_n(bs['mean'])} / {_n(bs['p50'])} / {_n(bs['p90'])} over {bs['count']:.0f} steps"
                    if bs else "n/a") + " | |",
                "| queue wait (mean / p50 / p99; percentiles interpolated in buckets) | " + (

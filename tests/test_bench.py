@@ -71,6 +71,21 @@ def _sections() -> dict:
     translate = {"ok": True, "rows": [tr_row], "bundle": "b", "checkpoint": "c", "ct2_model": "m", "source": "s",
                  "conversion": {"greedy_identical": "8/8"}, "max_new_tokens": 128, "threads": 2, "rounds": 2,
                  "ours_batch_invariant": True, "commands": [], "date_utc": "d", "elapsed_s": 60}
+    int8_row = {**tr_row, "throughput_ratio": 1.25, "identical": 0.9,
+                "ours": {**tr_row["ours"], "sentences_per_s": 25.0}}
+    translate["variants"] = {"int8": {**translate, "rows": [int8_row], "bundle": "b-int8", "ct2_model": "m-int8",
+                                      "ct2_compute_type": "int8", "precision": "int8"}}
+    bd_row = lambda c, tps: {"concurrency": c, "steps": 100, "wall_s": 1.0, "step_ms": 4.0, "rows_per_step": c - 0.5,
+                             "tokens_per_s": tps,
+                             "per_step_ms": {"ort decoder": 3.0, "ort encoder": 0.4, "ort helpers": 0.0,
+                                             "runner python": 0.4, "engine loop": 0.2},
+                             "share": {"ort decoder": 0.75, "ort encoder": 0.1, "ort helpers": 0.0,
+                                       "runner python": 0.1, "engine loop": 0.05}}
+    breakdown = {"ok": True, "concurrency": [1, 32], "threads": 1, "rounds": 2, "requests_per_client": 4, "min_new": 8,
+                 "max_new": 64, "baseline": "abc1234", "commands": [], "date_utc": "d", "elapsed_s": 60,
+                 "engines": {"current": [{"bundle": "artifacts/bundles/generate", "rows": [bd_row(1, 500.0), bd_row(32, 3000.0)]}],
+                             "baseline abc1234": [{"bundle": "artifacts/bundles/generate",
+                                                   "rows": [bd_row(1, 400.0), bd_row(32, 2400.0)]}]}}
     compute = {"ok": True, "model_config": SMALL_LM, "bundle": "b", "threads": 2, "sweep_context": 64,
                "peak": {"n": 2048, "reps": 5, "flops_per_s": {"numpy": 200e9, "ort 1": 110e9},
                         "peak_flops_per_s": 200e9, "peak_1_thread_flops_per_s": 110e9},
@@ -78,7 +93,7 @@ def _sections() -> dict:
                "scaling": [{"rows": 1, "context": 16, "step_ms": 0.3, "gain_per_row": 1.0},
                            {"rows": 32, "context": 16, "step_ms": 2.4, "gain_per_row": 4.0}],
                "commands": [], "date_utc": "d", "elapsed_s": 10}
-    return {"compute": compute, "inprocess": inproc, "translate": translate, "http": http}
+    return {"compute": compute, "inprocess": inproc, "translate": translate, "http": http, "breakdown": breakdown}
 
 
 # -- ratios and verdicts ----------------------------------------------------------------------------------
@@ -121,6 +136,14 @@ def test_doc_has_every_table_ratio_and_the_ct2_ratio_whichever_way_it_falls():
                      "tokens/s, **0.65** of it (target 0.6)") == 2
     assert f"| {COMPLETIONS} | 12.00 | 1300 |" in doc
     assert "ours 0.50x CTranslate2's sentences/s (slower; CTranslate2 is 2.00x ours)" in doc
+    # int8 vs int8 beside fp32 vs fp32, in the body and the summary
+    assert "### int8 vs int8" in doc and "| 8 | 25.0 | 20.0 | 1.25x |" in doc
+    assert "- Translation vs CTranslate2, int8 vs int8: Throughput at 8: ours 1.25x CTranslate2's" in doc
+    # the step-time breakdown, this tree's engine beside the baseline's, and the gain in the summary
+    assert "## 5. Where an engine step's time goes" in doc
+    assert "| current | generate | 32 | 31.5 | 4.000 | 3.000 (75%) |" in doc
+    assert ("- Engine in-process, generate, 32 clients: 3,000 tokens/s; the engine at abc1234, same run: 2,400 "
+            "tokens/s (1.25x).") in doc
     assert "| 8 | 10.0 | 20.0 | 0.50x |" in doc and "95.0%" in doc
     assert "| 16 | 4.000 ms | 2.000 ms | 1.000 ms | 2.00x | 4.00x | 2.00x |" in doc
     assert "Test CPU" in doc and "numpy 2.0" in doc and "torch" not in doc.split("## Machine")[1].split("##")[0]
@@ -296,6 +319,10 @@ def test_quick_bench_runs_every_section_on_tiny_bundles(tmp_path):
     tr = json.loads((art / "bench" / "translate.json").read_text())
     assert tr["conversion"]["greedy_identical"].startswith("8/8")
     assert all(r["identical"] >= 0.75 for r in tr["rows"])  # same weights, both greedy
+    assert tr["variants"]["int8"]["rows"] and tr["variants"]["int8"]["ct2_compute_type"] == "int8"
+    bd = json.loads((art / "bench" / "breakdown.json").read_text())
+    assert {m["bundle"].split("/")[-1] for m in bd["engines"]["current"]} == {"generate", "translate"}
+    assert all(r["per_step_ms"]["ort decoder"] > 0 for m in bd["engines"]["current"] for r in m["rows"])
     assert "ORT int8" in doc and "| 4 |" in doc
 
 

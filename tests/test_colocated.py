@@ -10,7 +10,6 @@ its batching knobs applied from the ingress's user_config.
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest

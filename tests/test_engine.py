@@ -112,9 +112,9 @@ async def test_deadlines_finish_with_deadline_after_the_tokens_so_far():
     eng = await started(engine())
     orig_step = eng.runtime.step
 
-    def slow_step(*a):
+    def slow_step(*a, **kw):
         time.sleep(0.02)
-        return orig_step(*a)
+        return orig_step(*a, **kw)
     eng.runtime.step = slow_step  # instance attribute: this engine's runtime only
     now = time.monotonic()
     late = GenerationRequest("late", [1, 5], SamplingParams(max_new_tokens=60, ignore_eos=True), deadline=now + 0.3)
@@ -269,7 +269,7 @@ async def test_stop_drains_in_flight_requests_then_refuses_new_ones():
 async def test_a_failing_runtime_fails_its_requests_then_the_engine_dies():
     eng = await started(engine())
 
-    def broken(*a):
+    def broken(*a, **kw):
         raise RuntimeError("device lost")
     eng.runtime.step = broken
     reqs = [GenerationRequest(f"e{i}", [1, 5], SamplingParams(max_new_tokens=5)) for i in range(3)]

@@ -11,7 +11,7 @@ from export.bundle import load_bundle
 from export.contract import past_key, past_value, present_key, present_value
 from export.parity import TorchRuntime
 from model.checkpoint import load_checkpoint
-from serving.engine.runtime import CPU_EP, ModelRuntime, choose_provider, gpu_visible
+from serving.engine.runtime import CPU_EP, CROSS_WIDTH_STEP, ModelRuntime, choose_provider, gpu_visible
 from tests.helpers_tiny import checkpoint_of, tiny_bundle
 
 
@@ -204,3 +204,36 @@ def test_cuda_options_turn_tf32_off_for_fp32_only_and_profiles_are_written(bundl
     rt.step(0, np.array([[1, 5]]), np.array([2]), np.array([0]))
     files = rt.end_profiling()
     assert len(files) == 2 and all(__import__("pathlib").Path(f).is_file() for f in files)  # decoder, slot copy
+
+
+def test_cross_width_follows_the_longest_source_held(bundles):
+    """On the CPU the cross buffers' source axis widens when a long source joins and narrows once the engine
+    keeps only shorter ones (keep_sources), moving the rows it keeps: logits stay PyTorch's throughout."""
+    ck = load_checkpoint(checkpoint_of(bundles["translate"]))
+    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=4, provider="cpu")
+    ref = TorchRuntime(ck.model, 4, ck.tokenizer.special_ids)
+    g = np.random.default_rng(5)
+    long_len = min(rt.max_src_len, 3 * CROSS_WIDTH_STEP - 5)
+    short, long = [g.integers(4, 200, n).tolist() for n in (3, 5)], [g.integers(4, 200, long_len).tolist()]
+    pos = np.zeros(4, np.int64)
+
+    def step(n: int) -> None:
+        x = g.integers(4, 200, (n, 1)).astype(np.int64)
+        np.testing.assert_allclose(rt.step(0, x, np.ones(n, np.int64), pos[:n]),
+                                   ref.step(0, x, np.ones(n, np.int64), pos[:n]), atol=1e-4, rtol=0)
+        pos[:n] += 1
+
+    for r in (rt, ref):
+        r.encode(0, short)
+    assert rt.cross_width == CROSS_WIDTH_STEP
+    step(2)
+    for r in (rt, ref):
+        r.encode(2, long)
+    assert rt.cross_width == 3 * CROSS_WIDTH_STEP  # widened: rows 0 and 1 moved along
+    step(3)
+    step(3)
+    rt.keep_sources(2)
+    assert rt.cross_width == CROSS_WIDTH_STEP  # narrowed: the long source is gone
+    step(2)
+    with pytest.raises(ValueError, match="no encoded source"):
+        rt.step(0, np.ones((3, 1), np.int64), np.ones(3, np.int64), pos[:3])

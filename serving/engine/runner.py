@@ -36,8 +36,9 @@ class Runtime(Protocol):
     pad_id: int
 
     def encode(self, start: int, sources: list[list[int]]) -> None: ...
+    def keep_sources(self, n: int) -> None: ...
     def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
-             write_pos: np.ndarray) -> np.ndarray: ...
+             write_pos: np.ndarray, copy: bool = True) -> np.ndarray: ...
     def copy_slots(self, src: Seq[int], dst: Seq[int], length: int | None = None) -> None: ...
 
 
@@ -141,6 +142,8 @@ class StepRunner:
 
     def _execute(self, plan: StepPlan, rows: list[Sequence]) -> StepResult:
         self._apply_copies()
+        if self.rt.is_encoder_decoder:  # after the moves, every live source is in rows [0, D): joiners follow
+            self.rt.keep_sources(plan.decode_rows)
         out = StepResult()
         self._reorders = []
         d, prefill = plan.decode_rows, None
@@ -151,11 +154,13 @@ class StepRunner:
         if prefill is not None and prefill[0].shape[1] == 1 and d:
             ids = np.concatenate([self.last[:d, None], prefill[0]])
             wpos = np.concatenate([self.pos[:d], prefill[2]])
-            logits = self.rt.step(0, ids, self.ones[: ids.shape[0]], wpos)  # (D + n, V)
+            logits = self.rt.step(0, ids, self.ones[: ids.shape[0]], wpos, copy=False)  # (D + n, V)
             decode_logits, prefill_logits = logits[:d], logits[d:]
         else:
-            decode_logits = self.rt.step(0, self.last[:d, None], self.ones[:d], self.pos[:d].copy()) if d else None
-            prefill_logits = self.rt.step(d, *prefill[:2], prefill[2].copy()) if prefill is not None else None
+            # copy=False: each call's logits are the runtime's rows [start, start + n), disjoint, read this step
+            decode_logits = (self.rt.step(0, self.last[:d, None], self.ones[:d], self.pos[:d], copy=False)
+                             if d else None)
+            prefill_logits = self.rt.step(d, *prefill, copy=False) if prefill is not None else None
         if d:
             self._pick_decode(decode_logits, rows, out)
             self.pos[:d] = np.minimum(self.pos[:d] + 1, self.rt.max_len - 1)
