@@ -75,17 +75,6 @@ def _sections() -> dict:
                 "ours": {**tr_row["ours"], "sentences_per_s": 25.0}}
     translate["variants"] = {"int8": {**translate, "rows": [int8_row], "bundle": "b-int8", "ct2_model": "m-int8",
                                       "ct2_compute_type": "int8", "precision": "int8"}}
-    bd_row = lambda c, tps: {"concurrency": c, "steps": 100, "wall_s": 1.0, "step_ms": 4.0, "rows_per_step": c - 0.5,
-                             "tokens_per_s": tps,
-                             "per_step_ms": {"ort decoder": 3.0, "ort encoder": 0.4, "ort helpers": 0.0,
-                                             "runner python": 0.4, "engine loop": 0.2},
-                             "share": {"ort decoder": 0.75, "ort encoder": 0.1, "ort helpers": 0.0,
-                                       "runner python": 0.1, "engine loop": 0.05}}
-    breakdown = {"ok": True, "concurrency": [1, 32], "threads": 1, "rounds": 2, "requests_per_client": 4, "min_new": 8,
-                 "max_new": 64, "baseline": "abc1234", "commands": [], "date_utc": "d", "elapsed_s": 60,
-                 "engines": {"current": [{"bundle": "artifacts/bundles/generate", "rows": [bd_row(1, 500.0), bd_row(32, 3000.0)]}],
-                             "baseline abc1234": [{"bundle": "artifacts/bundles/generate",
-                                                   "rows": [bd_row(1, 400.0), bd_row(32, 2400.0)]}]}}
     compute = {"ok": True, "model_config": SMALL_LM, "bundle": "b", "threads": 2, "sweep_context": 64,
                "peak": {"n": 2048, "reps": 5, "flops_per_s": {"numpy": 200e9, "ort 1": 110e9},
                         "peak_flops_per_s": 200e9, "peak_1_thread_flops_per_s": 110e9},
@@ -93,7 +82,23 @@ def _sections() -> dict:
                "scaling": [{"rows": 1, "context": 16, "step_ms": 0.3, "gain_per_row": 1.0},
                            {"rows": 32, "context": 16, "step_ms": 2.4, "gain_per_row": 4.0}],
                "commands": [], "date_utc": "d", "elapsed_s": 10}
-    return {"compute": compute, "inprocess": inproc, "translate": translate, "http": http, "breakdown": breakdown}
+    return {"compute": compute, "inprocess": inproc, "translate": translate, "http": http, "breakdown": _breakdown()}
+
+
+def _breakdown() -> dict:
+    """The breakdown section's JSON: the generate model at 1 and 32 clients, this tree's engine and a baseline's."""
+    bd_row = lambda c, tps: {"concurrency": c, "steps": 100, "wall_s": 1.0, "step_ms": 4.0, "rows_per_step": c - 0.5,
+                             "tokens_per_s": tps,
+                             "per_step_ms": {"ort decoder": 3.0, "ort encoder": 0.4, "ort helpers": 0.0,
+                                             "runner python": 0.4, "engine loop": 0.2},
+                             "share": {"ort decoder": 0.75, "ort encoder": 0.1, "ort helpers": 0.0,
+                                       "runner python": 0.1, "engine loop": 0.05}}
+    return {"ok": True, "concurrency": [1, 32], "threads": 1, "rounds": 2, "requests_per_client": 4, "min_new": 8,
+            "max_new": 64, "baseline": "abc1234", "commands": [], "date_utc": "d", "elapsed_s": 60,
+                 "engines": {"current": [{"bundle": "artifacts/bundles/generate", "rows": [bd_row(1, 500.0), bd_row(32, 3000.0)]}],
+                             "baseline abc1234": [{"bundle": "artifacts/bundles/generate",
+                                                   "rows": [bd_row(1, 400.0), bd_row(32, 2400.0)]}]}}
+
 
 
 # -- ratios and verdicts ----------------------------------------------------------------------------------

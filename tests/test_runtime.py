@@ -184,11 +184,11 @@ def test_serving_side_modules_do_not_import_torch():
 def test_cuda_requested_but_the_session_lacks_the_cuda_ep_is_an_error(bundles, monkeypatch):
     """ORT runs a session on the CPU EP when the CUDA libraries do not load; the runtime must not carry on as if
     it were on the GPU. (Here: onnxruntime's CPU build, with the GPU check faked to pass.)"""
-    import serving.engine.runtime as runtime
+    import serving.engine.providers as providers
 
     if gpu_visible():
         pytest.skip("a GPU is visible: the CUDA EP starts")
-    monkeypatch.setattr(runtime, "gpu_visible", lambda: True)
+    monkeypatch.setattr(providers, "gpu_visible", lambda: True)
     with pytest.raises(RuntimeError, match="could not start its CUDA execution provider"):
         ModelRuntime(load_bundle(bundles["generate"]), n_slots=1, provider="cuda")
 

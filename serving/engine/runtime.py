@@ -1,145 +1,42 @@
 """The model runtime: ONNX Runtime sessions of one bundle and the KV-cache slots they run on.
 
-Owns: provider choice (CUDA EP only where onnxruntime has it and a GPU is visible, else the CPU EP),
-session options (threads set explicitly), the preallocated slot buffers (per decoder layer, self-attention
-keys/values `[n_slots, H, M, Dh]` and, for translation, cross-attention keys/values
-`[n_slots, H, max_src_len, Dh]` plus each slot's source length), and three operations on slots:
-`encode` (encoder run, cross keys/values written into slots), `step` (one decoder step on contiguous
-slots, KV updated in place through IOBinding: past and present bound to the same rows) and `copy_slots`
-(beam reordering, compaction); a freed slot needs no reset, its rows are overwritten by the next prefill.
+Owns: session options (threads set explicitly), the slot buffers (serving/engine/slots.py; per decoder layer,
+self-attention keys/values `[n_slots, H, M, Dh]` and, for translation, cross-attention keys/values
+`[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or on the CPU the longest source held),
+and three operations on slots: `encode` (encoder run, cross keys/values written into slots), `step` (one decoder
+step on contiguous slots, KV updated in place through IOBinding: past and present bound to the same rows) and
+`copy_slots` (beam reordering, compaction); a freed slot needs no reset, its rows are overwritten by the next
+prefill. One-token steps run through bindings made once per row range.
 
 Decoder graph: on the CPU EP, a bundle's `decoder_cpu.onnx` where it has one (GroupQueryAttention: per-row
 cache lengths, no prefix copies; export/contract.py), else the portable `decoder.onnx`. That kernel runs a
 batch of several multi-token rows only when none has a cache yet, so `step` runs other prefill calls as
 runs it accepts (rows without a cache together, each continued row alone, trimmed to its tokens).
 
-Slot data never leaves the device: rows [start, start+n) are bound by pointer (a view, no copy); slot
-copies and the placement of encoder outputs run as two tiny ONNX graphs (Gather+ScatterND, TensorScatter)
-bound in place, so the same code path serves the CPU and CUDA EPs. On the CUDA EP, fp32 bundles run with TF32
-off (ORT's default is on): fp32 is the reference variant, held to PyTorch's logits within 1e-4; fp16 bundles
-are the fast one. A CUDA session that came up without the CUDA EP (ORT falls back to the CPU EP when the CUDA
-or cuDNN libraries cannot be loaded) is an error, not a silent CPU fallback.
+Slot data never leaves the device: rows [start, start+n) are bound by pointer (a view, no copy). On the CUDA EP
+(serving/engine/providers.py chooses it), fp32 bundles run with TF32 off (ORT's default is on): fp32 is the
+reference variant, held to PyTorch's logits within 1e-4; fp16 bundles are the fast one. A CUDA session that
+came up without the CUDA EP (ORT falls back to the CPU EP when the CUDA or cuDNN libraries cannot be loaded)
+is an error, not a silent CPU fallback.
 
 TORCH-FREE (numpy + onnxruntime + onnx.helper). Does not own: scheduling, sampling, tokenization
 (the rest of serving/engine/), bundle verification (export/bundle.py).
 """
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import helper
 
 from export.bundle import Bundle, check_graph_io
 from export.contract import cross_key, cross_value, past_key, past_value, present_key, present_value
+from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visible  # noqa: F401 (re-exported)
+from serving.engine.slots import SlotBuffer, slot_copy_graph, slot_place_graph
 
-CPU_EP, CUDA_EP = "CPUExecutionProvider", "CUDAExecutionProvider"
-_PROVIDER_ALIASES = {"cpu": CPU_EP, "cuda": CUDA_EP, CPU_EP: CPU_EP, CUDA_EP: CUDA_EP}
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
-_HELPER_OPSET = 24
 CROSS_WIDTH_STEP = 16  # the cross buffers' source axis grows and shrinks in steps of this many positions
-
-
-def gpu_visible() -> bool:
-    """True when onnxruntime has the CUDA EP and the CUDA driver sees a device (CUDA_VISIBLE_DEVICES is
-    honoured by the driver). Asks the driver directly, so no failing CUDA session is ever attempted."""
-    if CUDA_EP not in ort.get_available_providers():
-        return False
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    count = ctypes.c_int(0)
-    return cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
-
-
-def choose_provider(requested: str) -> str:
-    """"auto" -> CUDA EP if a GPU is usable, else CPU EP; "cpu"/"cuda" or a full EP name force one."""
-    if requested == "auto":
-        return CUDA_EP if gpu_visible() else CPU_EP
-    if requested not in _PROVIDER_ALIASES:
-        raise ValueError(f"provider {requested!r} is not supported; use one of "
-                         f"{['auto', *_PROVIDER_ALIASES]}")
-    ep = _PROVIDER_ALIASES[requested]
-    if ep == CUDA_EP and not gpu_visible():
-        raise ValueError("provider 'cuda' was requested but no GPU is visible to onnxruntime "
-                         f"(available providers: {ort.get_available_providers()}); use 'auto' or 'cpu'")
-    return ep
-
-
-def _slot_copy_graph(names: list[str], elem: int) -> bytes:
-    """out_j = ScatterND(buf_j, dst[:, None], Gather(buf_j, src)): rows dst[i] <- src[i], overlap-safe
-    because every Gather runs before its ScatterND writes."""
-    nodes, inputs, outputs = [helper.make_node("Unsqueeze", ["dst", "axis0"], ["dst2"])], [], []
-    for j, n in enumerate(names):
-        nodes += [helper.make_node("Gather", [n, "src"], [f"rows_{j}"], axis=0),
-                  helper.make_node("ScatterND", [n, "dst2", f"rows_{j}"], [f"out_{n}"])]
-        inputs.append(helper.make_tensor_value_info(n, elem, None))
-        outputs.append(helper.make_tensor_value_info(f"out_{n}", elem, None))
-    inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, ["k"]) for k in ("src", "dst")]
-    axis0 = helper.make_tensor("axis0", TensorProto.INT64, [1], [1])
-    graph = helper.make_graph(nodes, "kvserve_slot_copy", inputs, outputs, initializer=[axis0])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _HELPER_OPSET)]).SerializeToString()
-
-
-def _slot_place_graph(names: list[str], elem: int) -> bytes:
-    """out_j = TensorScatter(buf_j, upd_j, pos) on axis 2: the encoder's (n, H, S, Dh) outputs written
-    at position 0 of (n, H, max_src_len, Dh) slot rows, in place."""
-    nodes, inputs, outputs = [], [], []
-    for n in names:
-        nodes.append(helper.make_node("TensorScatter", [n, f"upd_{n}", "pos"], [f"out_{n}"], axis=2))
-        inputs += [helper.make_tensor_value_info(n, elem, None),
-                   helper.make_tensor_value_info(f"upd_{n}", elem, None)]
-        outputs.append(helper.make_tensor_value_info(f"out_{n}", elem, None))
-    inputs.append(helper.make_tensor_value_info("pos", TensorProto.INT64, ["n"]))
-    graph = helper.make_graph(nodes, "kvserve_slot_place", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _HELPER_OPSET)]).SerializeToString()
-
-
-class _SlotBuffer:
-    """One preallocated [n_slots, ...] device tensor whose row ranges are bound by pointer. Its axis 2 (positions)
-    may be narrowed below its capacity and widened again (`set_width`, host buffers): the rows then lie closer
-    together in the same memory, so a kernel that reads every position of that axis reads fewer of them."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, device: str) -> None:
-        # Zeros, not uninitialized memory: a NaN bit pattern in a masked cache slot would poison softmax.
-        self._flat: np.ndarray | None = np.zeros(int(np.prod(shape)), dtype)
-        self.value = ort.OrtValue.ortvalue_from_numpy(self._flat, device, 0)  # CPU: a view of self._flat
-        if device != "cpu":
-            self._flat = None  # the device holds the data; do not keep a stale host copy
-        self.dtype, self.device = dtype, device
-        self._shape(shape)
-
-    def _shape(self, shape: tuple[int, ...]) -> None:
-        self.shape = shape
-        self.row_bytes = int(np.prod(shape[1:])) * np.dtype(self.dtype).itemsize
-        self.host = None if self._flat is None else self._flat[: int(np.prod(shape))].reshape(shape)
-
-    def set_width(self, width: int, keep_rows: int) -> None:
-        """Lay rows [0, keep_rows) out again with `width` positions on axis 2 (host buffers only); each row keeps
-        its first min(old, new) positions, the rest of it is stale data that its length masks."""
-        keep = min(width, self.shape[2])
-        rows = self.host[:keep_rows, :, :keep].copy()
-        self._shape((self.shape[0], self.shape[1], width, *self.shape[3:]))
-        self.host[:keep_rows, :, :keep] = rows
-
-    def ptr(self, start: int) -> int:
-        return self.value.data_ptr() + start * self.row_bytes
-
-    def bind(self, io: ort.IOBinding, name: str, start: int, n: int, output: bool = False) -> None:
-        shape = [n, *self.shape[1:]]
-        if output:
-            io.bind_output(name, self.device, 0, self.dtype, shape, self.ptr(start))
-        else:
-            io.bind_input(name, self.device, 0, self.dtype, shape, self.ptr(start))
-
-    def numpy(self) -> np.ndarray:
-        """The whole buffer on the host (a view on CPU, a copy from the device otherwise)."""
-        if self.host is not None:
-            return self.host
-        return self.value.numpy()[: int(np.prod(self.shape))].reshape(self.shape)
 
 
 def _gqa_runs(input_len: np.ndarray, write_pos: np.ndarray) -> list[tuple[int, int, int]]:
@@ -193,14 +90,14 @@ class ModelRuntime:
         self._decoder = self._session(bundle.read_graph(decoder_graph), decoder_graph)
         self._encoder = self._session(bundle.read_graph("encoder"), "encoder") if bundle.is_encoder_decoder else None
         kv = (n_slots, cfg.n_heads, cfg.max_len, cfg.head_dim)
-        self._self_kv = {n: _SlotBuffer(kv, self._dtype, self._device)
+        self._self_kv = {n: SlotBuffer(kv, self._dtype, self._device)
                          for i in range(self._n_layers) for n in (past_key(i), past_value(i))}
-        self._cross_kv: dict[str, _SlotBuffer] = {}
+        self._cross_kv: dict[str, SlotBuffer] = {}
         if self._encoder is not None:
             ckv = (n_slots, cfg.n_heads, self._max_src_len, cfg.head_dim)
-            self._cross_kv = {n: _SlotBuffer(ckv, self._dtype, self._device)
+            self._cross_kv = {n: SlotBuffer(ckv, self._dtype, self._device)
                               for i in range(self._n_layers) for n in (cross_key(i), cross_value(i))}
-            self._place = self._session(_slot_place_graph(list(self._cross_kv), elem), None)
+            self._place = self._session(slot_place_graph(list(self._cross_kv), elem), None)
         self._src_len = np.zeros(n_slots, np.int64)  # 0 = no source encoded in this slot
         # One-token steps: inputs and logits live in these rows (slot i's in row i), bound once per (start, n).
         self._in_ids = np.zeros((n_slots, 1), np.int64)
@@ -214,7 +111,7 @@ class ModelRuntime:
         self._cross_width = self._max_src_len
         if self._adaptive_width:
             self._set_cross_width(min(self._max_src_len, CROSS_WIDTH_STEP), keep_rows=0)
-        self._copy = self._session(_slot_copy_graph([*self._self_kv, *self._cross_kv], elem), None)
+        self._copy = self._session(slot_copy_graph([*self._self_kv, *self._cross_kv], elem), None)
 
     # ---- properties the engine reads -------------------------------------------------------------------
     @property
@@ -336,8 +233,7 @@ class ModelRuntime:
                     write_pos: np.ndarray) -> np.ndarray:
         """A one-token step (every decode step, and a translation joiner's bos) through the IOBinding of rows
         [start, start+n), bound once: its cache rows by pointer, its inputs and logits to rows of the runtime's
-        own arrays. A step copies n ids, lengths and positions in and runs: no binding calls, no allocation.
-        (ORT profile, decode batch 8: 29 binds, the outputs' wrappers and a logits copy per step otherwise.)"""
+        own arrays. A step copies n ids, lengths and positions in and runs: no binding calls, no allocation."""
         n = input_ids.shape[0]
         rows = slice(start, start + n)
         io = self._bound.get((start, n))
@@ -357,13 +253,17 @@ class ModelRuntime:
             io.bind_input(name, "cpu", 0, arr.dtype, [n, *arr.shape[1:]], arr.ctypes.data + start * row)
         io.bind_output("logits", "cpu", 0, self._logits.dtype, [n, self._vocab],
                        self._logits.ctypes.data + start * self._logits.strides[0])
+        self._bind_caches(io, start, n)
+        return io
+
+    def _bind_caches(self, io: ort.IOBinding, start: int, n: int) -> None:
+        """Rows [start, start+n) of every cache: self-attention past and present (the same memory), cross."""
         for i in range(self._n_layers):
             for past, present in ((past_key(i), present_key(i)), (past_value(i), present_value(i))):
                 self._self_kv[past].bind(io, past, start, n)
                 self._self_kv[past].bind(io, present, start, n, output=True)
         for name, buf in self._cross_kv.items():
             buf.bind(io, name, start, n)
-        return io
 
     def _run_decoder(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
                      write_pos: np.ndarray) -> np.ndarray:
@@ -373,13 +273,8 @@ class ModelRuntime:
         io.bind_cpu_input("input_ids", input_ids)
         io.bind_cpu_input("input_len", input_len)
         io.bind_cpu_input("write_pos", write_pos)
-        for i in range(self._n_layers):
-            for past, present in ((past_key(i), present_key(i)), (past_value(i), present_value(i))):
-                self._self_kv[past].bind(io, past, start, n)
-                self._self_kv[past].bind(io, present, start, n, output=True)
+        self._bind_caches(io, start, n)
         if self._cross_kv:
-            for name, buf in self._cross_kv.items():
-                buf.bind(io, name, start, n)
             io.bind_cpu_input("src_len", self._src_len[start : start + n].copy())
         self._decoder.run_with_iobinding(io)
         outs = io.get_outputs()
