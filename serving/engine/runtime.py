@@ -97,7 +97,8 @@ class ModelRuntime:
             ckv = (n_slots, cfg.n_heads, self._max_src_len, cfg.head_dim)
             self._cross_kv = {n: SlotBuffer(ckv, self._dtype, self._device)
                               for i in range(self._n_layers) for n in (cross_key(i), cross_value(i))}
-            self._place = self._session(slot_place_graph(list(self._cross_kv), elem), None)
+            if self._device != "cpu":  # on the host, numpy places the encoder's outputs (encode)
+                self._place = self._session(slot_place_graph(list(self._cross_kv), elem), None)
         self._src_len = np.zeros(n_slots, np.int64)  # 0 = no source encoded in this slot
         # One-token steps: inputs and logits live in these rows (slot i's in row i), bound once per (start, n).
         self._in_ids = np.zeros((n_slots, 1), np.int64)
@@ -113,54 +114,20 @@ class ModelRuntime:
             self._set_cross_width(min(self._max_src_len, CROSS_WIDTH_STEP), keep_rows=0)
         self._copy = self._session(slot_copy_graph([*self._self_kv, *self._cross_kv], elem), None)
 
-    # ---- properties the engine reads -------------------------------------------------------------------
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self._encoder is not None
-
-    @property
-    def n_slots(self) -> int:
-        return self._n_slots
-
-    @property
-    def max_len(self) -> int:
-        """KV cache length M: write_pos + new tokens of a step may not exceed it."""
-        return self._max_len
-
-    @property
-    def max_src_len(self) -> int:
-        return self._max_src_len
-
-    @property
-    def cross_width(self) -> int:
-        """Source positions cross-attention reads per row: on the CPU the longest source held, rounded up to
-        CROSS_WIDTH_STEP; max_src_len elsewhere."""
-        return self._cross_width
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def bos_id(self) -> int:
-        return self.bundle.special_ids["bos"]
-
-    @property
-    def eos_id(self) -> int:
-        return self.bundle.special_ids["eos"]
-
-    @property
-    def pad_id(self) -> int:
-        return self.bundle.special_ids["pad"]
-
-    @property
-    def banned_ids(self) -> tuple[int, ...]:
-        """Token ids never generated (the bundle's generation.banned_ids; the engine applies them)."""
-        return self.bundle.banned_ids
-
-    @property
-    def provider(self) -> str:
-        return self._provider
+    # ---- properties the engine reads (read-only) --------------------------------------------------------
+    is_encoder_decoder = property(lambda self: self._encoder is not None)
+    n_slots = property(lambda self: self._n_slots)
+    max_len = property(lambda self: self._max_len)  # KV cache length M: write_pos + new tokens stay within it
+    max_src_len = property(lambda self: self._max_src_len)
+    # Source positions cross-attention reads per row: on the CPU the longest source held, rounded up to
+    # CROSS_WIDTH_STEP; max_src_len elsewhere.
+    cross_width = property(lambda self: self._cross_width)
+    vocab_size = property(lambda self: self._vocab)
+    bos_id = property(lambda self: self.bundle.special_ids["bos"])
+    eos_id = property(lambda self: self.bundle.special_ids["eos"])
+    pad_id = property(lambda self: self.bundle.special_ids["pad"])
+    banned_ids = property(lambda self: self.bundle.banned_ids)  # never generated (the engine applies them)
+    provider = property(lambda self: self._provider)
 
     # ---- operations ------------------------------------------------------------------------------------
     def encode(self, start: int, sources: list[list[int]]) -> None:
@@ -183,6 +150,23 @@ class ModelRuntime:
         io = self._encoder.io_binding()
         io.bind_cpu_input("src_ids", ids)
         io.bind_cpu_input("src_len", lens)
+        if self._device == "cpu":  # into host arrays, then numpy copies into the slot rows: no placement graph
+            self._encode_on_host(io, start, n, ids.shape[1])
+        else:
+            self._encode_on_device(io, start, n)
+        self._src_len[start : start + n] = lens
+
+    def _encode_on_host(self, io: ort.IOBinding, start: int, n: int, width: int) -> None:
+        """(A batch-1 encode spent a quarter of its time binding and running the placement graph.)"""
+        out = {name: np.empty((n, buf.shape[1], width, buf.shape[3]), self._dtype)
+               for name, buf in self._cross_kv.items()}
+        for name, arr in out.items():
+            io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        self._encoder.run_with_iobinding(io)
+        for name, arr in out.items():
+            self._cross_kv[name].host[start : start + n, :, :width] = arr
+
+    def _encode_on_device(self, io: ort.IOBinding, start: int, n: int) -> None:
         for name in self._cross_kv:
             io.bind_output(name, self._device)
         self._encoder.run_with_iobinding(io)
@@ -194,7 +178,6 @@ class ModelRuntime:
             place.bind_ortvalue_input(f"upd_{name}", out)
         place.bind_cpu_input("pos", np.zeros(n, np.int64))
         self._place.run_with_iobinding(place)
-        self._src_len[start : start + n] = lens
 
     def keep_sources(self, n: int) -> None:
         """Only slots [0, n) hold sources that later steps read (the engine's live rows); the others are
