@@ -197,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, default=0.7, help="the load as a share of the measured capacity")
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="holds bundles/generate")
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="where soak.png goes")
+    p.add_argument("--placement", choices=("colocated", "split"), default="colocated",
+                   help="the model in the ingress replica (kvserve serve's default) or a deployment of its own")
     args = p.parse_args(argv)
     from serving.server.config import validate_serve_config
-    from serving.server.launch import start, stop
+    from serving.server.launch import colocate_models, start, stop
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = single_model_config(args.artifacts.resolve(), port, slots=16)
     cfg["logging_config"] = {**cfg.get("logging_config", {}), "log_level": "WARNING", "enable_access_log": False}
     cfg["applications"][0]["deployments"][1]["user_config"]["max_waiting"] = 16  # bursts past it: 429
+    if args.placement == "colocated":
+        cfg["applications"][0] = colocate_models(cfg["applications"][0])
     base = f"http://127.0.0.1:{port}"
     start(validate_serve_config(cfg), timeout_s=600)
     try:
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop()
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
-    result = {"minutes": args.minutes, "rate_per_s": round(rate, 2), "statuses": run["statuses"], "idle_after": idle,
+    result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2), "statuses": run["statuses"], "idle_after": idle,
               **summary(run["samples"], warmup_s), "samples": run["samples"]}
     raw = args.artifacts / "bench" / "soak.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
