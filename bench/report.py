@@ -254,9 +254,16 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
     if c.get("ok") and i.get("ok"):
         from bench.compute import engine_best
 
-        e = engine_best(i["engine"], c["model_config"])
-        out.append(f"- The engine's best batch reaches {gflops(e['flops_per_s'])}, "
-                   f"{100 * e['flops_per_s'] / c['peak']['peak_flops_per_s']:.1f}% of the measured peak matmul FLOP/s.")
+        e, peak = engine_best(i["engine"], c["model_config"]), c["peak"]
+        line = (f"- The engine's best batch reaches {gflops(e['flops_per_s'])} at {i['engine'].get('threads') or 1} ORT "
+                f"thread(s): {100 * e['flops_per_s'] / peak['peak_1_thread_flops_per_s']:.1f}% of the measured "
+                f"1-thread matmul peak, {100 * e['flops_per_s'] / peak['peak_flops_per_s']:.1f}% of the machine's "
+                f"(every core)")
+        if "engine_all_cores" in i:
+            a = engine_best(i["engine_all_cores"], c["model_config"])
+            line += (f"; with every core as ORT threads {gflops(a['flops_per_s'])}, "
+                     f"{100 * a['flops_per_s'] / peak['peak_flops_per_s']:.1f}% of the machine's")
+        out.append(line + ".")
     failed = [n for n, s in sections.items() if not s.get("ok")]
     if failed:
         out.append(f"- **Failed sections: {', '.join(failed)}** (see below).")
