@@ -13,15 +13,20 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp_path):
+@pytest.mark.parametrize("placement,roles", [("colocated", {"proxy", "haproxy", "ingress"}),
+                                             ("split", {"proxy", "haproxy", "ingress", "replica"})])
+def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp_path, placement, roles):
     out = tmp_path / "img"
     run = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "1", "--artifacts", str(bundles),
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "--out", str(out), "--placement", placement], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     result = json.loads((bundles / "bench" / "soak.json").read_text())
+    assert result["placement"] == placement
     assert (out / "soak.png").stat().st_size > 10_000
     assert not [s for s in result["statuses"] if s.startswith("5")] and result["statuses"].get("200", 0) > 0
-    assert {"proxy", "ingress", "replica"} <= set(result["rss_growth_mb_per_10min"])
+    assert set(result["rss_growth_mb_per_10min"]) == roles  # HAProxy too: Serve's data plane
     assert result["idle_after"] == {"kvserve_kv_slots_used": 0.0, "kvserve_waiting_requests": 0.0,
                                     "kvserve_running_requests": 0.0}
-    assert len(result["samples"]) >= 5 and all(s["rss_mb"]["replica"] for s in result["samples"])
+    model = "replica" if placement == "split" else "ingress"  # the process that runs the engine
+    assert len(result["samples"]) >= 5 and all(s["rss_mb"][model] for s in result["samples"])
