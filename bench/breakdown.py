@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from bench.markdown import rel_path
+
 CATEGORIES = ("ort decoder", "ort encoder", "ort helpers", "runner python", "engine loop")
 GRAPHS = {"_decoder": "ort decoder", "_encoder": "ort encoder", "_place": "ort helpers", "_copy": "ort helpers"}
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,16 +179,9 @@ def run(bundles: list[Path], concurrency: list[int], threads: int = 1, rounds: i
         for b in bundles:
             rows = [max((p[str(b)][i] for p in ps), key=lambda row: row["tokens_per_s"])
                     for i in range(len(concurrency))]
-            models.append({"bundle": _rel(b), "rows": rows})
+            models.append({"bundle": rel_path(b), "rows": rows})
         result["engines"][name] = models
     return result
-
-
-def _rel(p: Path) -> str:
-    try:
-        return str(p.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(p)
 
 
 def table(result: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.http import HttpPlan
+from bench.markdown import rel_path as _rel
 
 SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "agreement")
 # http_path: Ray's default data plane and placement (what kvserve ran before choosing), then kvserve serve's
@@ -123,14 +124,6 @@ class Artifacts:
         raise FileNotFoundError(f"no checkpoint with the weights of bundle {bundle} (sha256 "
                                 f"{source['weights_sha256'][:12]}...): looked at {source['checkpoint']} and "
                                 f"{self.root}/ckpt/{bundle.name.split('-')[0]}; re-export the bundle from its checkpoint")
-
-
-def _rel(p: Path | str) -> str:
-    p = Path(p)
-    try:
-        return str(p.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(p)
 
 
 def _run(cmd: list[str], shown: list[str], commands: list[str]) -> str:

@@ -1,7 +1,17 @@
-"""Small text helpers shared by the benchmark report's modules (bench/report.py, bench/report_http.py)."""
+"""Small text helpers shared by the benchmark modules: durations, ratios, paths as typed, report fragments."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+
+def rel_path(p: Path | str) -> str:
+    """A path as a user would type it from here: relative to the working directory where it lies below it."""
+    p = Path(p)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
 
 
 def t(s: float | None) -> str:

@@ -197,17 +197,17 @@ class ModelRuntime:
         input_len = np.ascontiguousarray(input_len, np.int64)
         write_pos = np.ascontiguousarray(write_pos, np.int64)
         self._check_step(start, input_ids, input_len, write_pos)
-        if input_ids.shape[1] == 1:
-            logits = self._decode_one(start, input_ids, input_len, write_pos)
-            return logits.copy() if copy else logits
-        if self.decoder_graph == "decoder_cpu" and write_pos.any():
-            return np.concatenate([self._step_rows(start + a, np.ascontiguousarray(input_ids[a:b, :width]),
-                                                   input_len[a:b], write_pos[a:b])
+        one = input_ids.shape[1] == 1
+        if not one and self.decoder_graph == "decoder_cpu" and write_pos.any():
+            return np.concatenate([self._call(start + a, np.ascontiguousarray(input_ids[a:b, :width]),
+                                              input_len[a:b], write_pos[a:b])
                                    for a, b, width in _gqa_runs(input_len, write_pos)])
-        return self._run_decoder(start, input_ids, input_len, write_pos)
+        logits = self._call(start, input_ids, input_len, write_pos)
+        return logits.copy() if copy and one else logits  # only a one-token call hands out the runtime's rows
 
-    def _step_rows(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
-                   write_pos: np.ndarray) -> np.ndarray:
+    def _call(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray) -> np.ndarray:
+        """One decoder call on rows [start, start+n): the bound-once path for one token per row, else a fresh
+        binding."""
         if input_ids.shape[1] == 1:
             return self._decode_one(start, input_ids, input_len, write_pos)
         return self._run_decoder(start, input_ids, input_len, write_pos)
