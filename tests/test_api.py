@@ -24,6 +24,7 @@ from serving.engine.config import BatchingKnobs
 from serving.server.config import AppArgs, Limits, load_serve_config
 from serving.server.drain import Drain
 from serving.server.metrics import Recorder, aggregate_exposition
+from prometheus_client.parser import text_string_to_metric_families
 from serving.server.chunks import coalesce
 from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
 from serving.server.stops import StopMatcher
@@ -321,6 +322,23 @@ def test_aggregation_sums_replicas_and_drops_unbounded_labels():
     assert "replica=" not in text and "WorkerId" not in text and "ray_tasks" not in text
     assert "# TYPE kvserve_time_to_first_token_seconds histogram" in text  # declared even before samples
     _promtool_clean(text)
+
+
+def test_aggregation_reads_the_text_format_as_prometheus_does():
+    # prometheus_client's own output (no ray_ prefix, _created samples), an escaped label value, a timestamp.
+    r = Recorder("prometheus")
+    odd = 'a "quoted" \\ model'
+    r.inc("kvserve_generated_tokens_total", {"model": odd, "version": "v1"}, 5)
+    r.observe("kvserve_engine_batch_size", {"model": odd, "version": "v1"}, 3)
+    stamped = 'ray_kvserve_generated_tokens_total{model="m",version="v1",WorkerId="w"} 2.0 1700000000000\n'
+    text = aggregate_exposition([r.exposition(), r.exposition(), stamped])
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    tokens = {s.labels["model"]: s.value for s in families["kvserve_generated_tokens"].samples}
+    assert tokens == {odd: 10.0, "m": 2.0}
+    buckets = {s.labels["le"]: s.value for s in families["kvserve_engine_batch_size"].samples
+               if s.name.endswith("_bucket")}
+    assert buckets["2.0"] == 0.0 and buckets["4.0"] == 2.0 and buckets["+Inf"] == 2.0
+    assert "_created" not in text
 
 
 def _promtool_clean(text: str) -> None:

@@ -150,3 +150,16 @@ def test_a_model_with_several_replicas_is_not_colocated_silently(art, tmp_path):
     with pytest.raises(ValueError, match="'generate' asks for several replicas .* --placement split"):
         launch.prepare_config(path, artifacts=art, placement="colocated")
     assert launch.prepare_config(path, artifacts=art)["applications"][0]["deployments"][2]["num_replicas"] == 2
+
+
+def test_haproxy_listener_ports_are_picked_below_the_ephemeral_range(tmp_path):
+    # Ray's processes start after the pick and take ephemeral ports: a pick inside that range could be taken
+    # before HAProxy binds it (HAProxy then exits: 'Address already in use').
+    low = launch._ephemeral_low()
+    ports = {launch._free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("", ports.pop()))  # free when picked
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert launch._ephemeral_low(str(tmp_path / "range")) == 40000
+    assert launch._ephemeral_low(str(tmp_path / "missing")) == 32768

@@ -118,25 +118,44 @@ def test_plain_requests_whose_clients_hang_up_free_their_slots(rel):
 
 
 # -- /metrics under load ---------------------------------------------------------------------------------------
-FLOOD = """
-import asyncio, collections, json, sys, time
-import httpx
+FLOOD = r"""
+import asyncio, collections, json, resource, sys, time
+from urllib.parse import urlsplit
 
 async def main(base, path, rate, seconds):
-    statuses = collections.Counter()
-    async with httpx.AsyncClient(base_url=base, timeout=10, limits=httpx.Limits(max_connections=100)) as c:
-        async def one():
-            try:
-                statuses[(await c.get(path)).status_code] += 1
-            except httpx.HTTPError as e:
-                statuses[type(e).__name__] += 1
-        tasks, t0, k = [], time.monotonic(), 0
-        while time.monotonic() - t0 < seconds:
-            tasks.append(asyncio.create_task(one()))
-            k += 1
-            await asyncio.sleep(max(0.0, t0 + k / rate - time.monotonic()))
-        await asyncio.gather(*tasks)
-    print(json.dumps({"sent": k, "rate": k / (time.monotonic() - t0), "statuses": statuses}))
+    # A flood from a client as cheap as a real one on another machine: HTTP/1.1 keep-alive over plain asyncio
+    # streams, the body read as bytes and never decompressed or decoded (httpx spends ~3 ms of CPU per
+    # gzipped /metrics answer: on a few cores the client, not the server, would be measured).
+    u = urlsplit(base)
+    head = (f"GET {path} HTTP/1.1\r\nHost: {u.netloc}\r\nAccept-Encoding: gzip\r\n\r\n").encode()
+    statuses, idle = collections.Counter(), []
+
+    async def one():
+        conn = idle.pop() if idle else await asyncio.open_connection(u.hostname, u.port)
+        try:
+            reader, writer = conn
+            writer.write(head)
+            status = int((await reader.readline()).split()[1])
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            statuses[str(status)] += 1
+            idle.append(conn)
+        except (OSError, asyncio.IncompleteReadError, IndexError, ValueError) as e:
+            statuses[type(e).__name__] += 1
+            conn[1].close()
+
+    tasks, t0, k = [], time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        tasks.append(asyncio.create_task(one()))
+        k += 1
+        await asyncio.sleep(max(0.0, t0 + k / rate - time.monotonic()))
+    await asyncio.gather(*tasks)
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"sent": k, "rate": k / (time.monotonic() - t0), "statuses": statuses,
+                      "cpu_share": (cpu.ru_utime + cpu.ru_stime) / (time.monotonic() - t0)}))
 
 asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])))
 """
@@ -184,9 +203,6 @@ def _scrape_cost() -> dict:
             "aggregate_s": round(time.perf_counter() - t1, 4), "exposition_bytes": len(out)}
 
 
-@pytest.mark.xfail((os.cpu_count() or 1) < 8, strict=False, reason=(
-    "on a few shared cores, 200 requests/s of ANY route through Ray's Python proxy and the ingress raise the "
-    "p99 of /v1 3-20x (the /v2/health/live control of the same run); the figures are reported either way"))
 def test_a_metrics_flood_does_not_slow_the_api(rel):
     with rel.client() as c:
         assert c.get("/metrics").status_code == 200
@@ -207,7 +223,14 @@ def test_a_metrics_flood_does_not_slow_the_api(rel):
            p99_s={k: round(v, 4) for k, v in p99.items()},
            p99_ratio={k: round(p99[k] / p99["none"], 3) for k in floods},
            flood_rates={k: [round(f["rate"], 1) for f in v] for k, v in floods.items()},
-           flood_statuses={k: [f["statuses"] for f in v] for k, v in floods.items()})
+           flood_statuses={k: [f["statuses"] for f in v] for k, v in floods.items()},
+           flood_client_cpu={k: [round(f["cpu_share"], 3) for f in v] for k, v in floods.items()})
     for f in floods["/metrics"]:
         assert f["rate"] >= 0.9 * FLOOD_RATE and set(f["statuses"]) == {"200"}, f
+    # /metrics costs what any anonymous route costs: its scrape (one per TTL, shared) adds little to the flood.
+    assert p99["/metrics"] <= 1.4 * p99["/v2/health/live"], p99
+    if p99["/metrics"] > 1.2 * p99["none"] and (os.cpu_count() or 1) < 8:
+        pytest.xfail(f"on {os.cpu_count()} shared cores, 200 requests/s of ANY route raise the p99 of /v1 (here "
+                     f"{p99['/v2/health/live'] / p99['none']:.2f}x under /v2/health/live, {p99['/metrics'] / p99['none']:.2f}x "
+                     f"under /metrics); the figures are reported above")
     assert p99["/metrics"] <= 1.2 * p99["none"], f"a /metrics flood raised p99 {p99['/metrics'] / p99['none']:.2f}x"

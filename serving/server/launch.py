@@ -58,11 +58,28 @@ def use_fast_data_plane() -> dict[str, str]:
 
 
 def _free_port() -> int:
+    """A free port below the kernel's ephemeral range: Ray's processes, started after this pick and before
+    HAProxy binds it, take their ports from that range, so a pick inside it can be taken meanwhile (seen:
+    HAProxy exiting with 'Address already in use' on its metrics port)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
 
 
 # Where `kvserve serve` runs the models: in the ingress replica (colocated: a request and each streamed token
