@@ -163,3 +163,18 @@ def test_haproxy_listener_ports_are_picked_below_the_ephemeral_range(tmp_path):
     (tmp_path / "range").write_text("40000\t60999\n")
     assert launch._ephemeral_low(str(tmp_path / "range")) == 40000
     assert launch._ephemeral_low(str(tmp_path / "missing")) == 32768
+
+
+def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
+    # With Ray's `option splice-*`, HAProxy 2.8 spins once clients drop forwarded requests (launch.py): the data
+    # plane points Ray at a wrapper that adds -dS, unless the operator chose a binary.
+    wrapper = launch.haproxy_without_splice(tmp_path)
+    assert wrapper is not None and wrapper.stat().st_mode & 0o111
+    out = subprocess.run([str(wrapper), "-vv"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "HAProxy version" in out.stdout
+    assert " -dS " in wrapper.read_text()
+    for key in (*launch.DATA_PLANE_ENV, launch.HAPROXY_BINARY_ENV, *launch.HAPROXY_PORT_ENV):
+        monkeypatch.delenv(key, raising=False)
+    assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV].endswith("haproxy-nosplice")
+    monkeypatch.setenv(launch.HAPROXY_BINARY_ENV, "/opt/haproxy")
+    assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV] == "/opt/haproxy"
