@@ -11,7 +11,8 @@ clients, then sends an open-loop Poisson load at `share` of that rate for `minut
 RSS of the proxy, the ingress and the replica (by Ray's process titles) and the latency of the window. At the
 end: growth of each process's RSS per 10 minutes after warm-up (a least-squares slope), p99 drift (first vs last
 third), the statuses (any 5xx is a failure) and whether slots and waiting requests are back to 0.
-Writes ARTIFACTS/bench/soak.json and OUT/soak.png; prints a markdown summary.
+Also the mean CPU of each process after warm-up. Writes ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png;
+prints the figures.
 """
 from __future__ import annotations
 
@@ -109,15 +110,18 @@ async def soak(base: str, rate: float, seconds: float, progress: bool = True) ->
 
 
 def _sample(procs: dict[str, psutil.Process], t: float, window: list[float], statuses: Counter) -> dict[str, Any]:
-    rss = {}
+    """RSS (MB) and CPU seconds so far of each role, the window's p99."""
+    rss, cpu = {}, {}
     for role, p in procs.items():
         try:
             rss[role] = round(p.memory_info().rss / 2**20, 1)
+            times = p.cpu_times()
+            cpu[role] = round(times.user + times.system, 2)
         except psutil.Error:
-            rss[role] = None
+            rss[role] = cpu[role] = None
     lat = sorted(window)
     p99 = round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None
-    return {"t": round(t, 1), "rss_mb": rss, "p99_s": p99, "done": sum(statuses.values())}
+    return {"t": round(t, 1), "rss_mb": rss, "cpu_s": cpu, "p99_s": p99, "done": sum(statuses.values())}
 
 
 def summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
@@ -134,7 +138,13 @@ def summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
     p99s = [s["p99_s"] for s in after if s["p99_s"] is not None]
     first, last = (sorted(p99s[:third]), sorted(p99s[-third:])) if p99s else ([], [])
     med = (lambda xs: xs[len(xs) // 2] if xs else None)
-    return {"rss_growth_mb_per_10min": growth, "p99_first_third_s": med(first), "p99_last_third_s": med(last)}
+    cores = {}  # each role's mean CPU after warm-up, in cores: a process spinning shows here, not in RSS
+    for role in (after[0].get("cpu_s", {}) if len(after) >= 2 else {}):
+        a, b = after[0]["cpu_s"].get(role), after[-1]["cpu_s"].get(role)
+        if a is not None and b is not None:
+            cores[role] = round((b - a) / max(1e-9, after[-1]["t"] - after[0]["t"]), 2)
+    return {"rss_growth_mb_per_10min": growth, "p99_first_third_s": med(first), "p99_last_third_s": med(last),
+            "cpu_cores": cores}
 
 
 async def capacity(base: str, seconds: float = 20.0, clients: int = 32) -> float:
@@ -197,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, default=0.7, help="the load as a share of the measured capacity")
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="holds bundles/generate")
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="where soak.png goes")
+    p.add_argument("--raw", type=Path, default=None, help="the figures' JSON (default: ARTIFACTS/bench/soak.json)")
     p.add_argument("--placement", choices=("colocated", "split"), default="colocated",
                    help="the model in the ingress replica (kvserve serve's default) or a deployment of its own")
     args = p.parse_args(argv)
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
     result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2), "statuses": run["statuses"], "idle_after": idle,
               **summary(run["samples"], warmup_s), "samples": run["samples"]}
-    raw = args.artifacts / "bench" / "soak.json"
+    raw = args.raw or args.artifacts / "bench" / "soak.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(result, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)

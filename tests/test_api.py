@@ -29,7 +29,7 @@ from serving.server.chunks import coalesce
 from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
 from serving.server.stops import StopMatcher
 from serving.server.versions import ServedVersion
-from serving.engine.types import SamplingParams
+from serving.engine.types import FinishReason, RequestStats, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLY = "hello world, goodbye world. STOP here"
@@ -243,6 +243,23 @@ async def test_closing_a_stream_cancels_the_engine_request(tok):
     await stream.aclose()  # what a client disconnect does to the route's generator
     assert engine.cancelled == [engine.submitted[0].request_id]
     assert not engine.active
+
+
+async def test_stats_of_requests_nobody_collects_are_not_kept(tok):
+    # The engine reports a request's stats when it finishes, also after its client left: the service keeps
+    # them only while a stream is open to read them (a dropped stream's stats are ~1 KB each, its gaps).
+    engine = FakeEngine(tok, REPLY, delay_s=0.001)
+    service = ModelService("generate", engine, tok, 40)
+    stream = service.stream(TextRequest("hi", SamplingParams(max_new_tokens=30), deadline_wall=9e18))
+    await stream.__anext__()
+    await stream.aclose()
+    (_, on_request), = engine.observers
+    late = RequestStats(engine.submitted[0].request_id, 2, 3, 0.01, 0.02, (0.001,) * 30, 0.05,
+                        FinishReason.CANCELLED)
+    on_request(late)  # what the real engine does once the cancelled request leaves its batch
+    done = await service.complete(TextRequest("hi", SamplingParams(max_new_tokens=5), deadline_wall=9e18))
+    assert done.queue_s is not None  # a finished request still reads its own
+    assert service._stats == {} and service._open == set()
 
 
 # -- stop strings -------------------------------------------------------------------------------------------

@@ -9,10 +9,21 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_the_summary_fits_growth_and_cpu_after_warm_up():
+    from bench.soak import summary
+
+    samples = [{"t": t, "rss_mb": {"ingress": 100 + (t - 60) / 60 if t >= 60 else 500.0},
+                "cpu_s": {"ingress": 0.5 * t}, "p99_s": 0.1 if t < 300 else 0.2} for t in range(0, 901, 10)]
+    s = summary(samples, warmup_s=60)
+    assert s["rss_growth_mb_per_10min"] == {"ingress": 10.0}  # 1 MB a minute, the warm-up's 500 MB left out
+    assert s["cpu_cores"] == {"ingress": 0.5}
+    assert (s["p99_first_third_s"], s["p99_last_third_s"]) == (0.1, 0.2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("placement,roles", [("colocated", {"proxy", "haproxy", "ingress"}),
                                              ("split", {"proxy", "haproxy", "ingress", "replica"})])
 def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp_path, placement, roles):
@@ -30,3 +41,5 @@ def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp
                                     "kvserve_running_requests": 0.0}
     model = "replica" if placement == "split" else "ingress"  # the process that runs the engine
     assert len(result["samples"]) >= 5 and all(s["rss_mb"][model] for s in result["samples"])
+    assert set(result["cpu_cores"]) == roles and 0 < result["cpu_cores"][model] < 4
+    assert result["cpu_cores"]["haproxy"] < 0.5  # no spinning HAProxy (serving/server/launch.py)

@@ -88,6 +88,9 @@ class ModelService:
         self.max_prompt_tokens = max_prompt_tokens
         self.recorder = recorder
         self.labels = {"model": name, "version": version}  # of every metric this service records
+        # The engine's stats of the requests whose stream is still open (its result reads queue_wait): a
+        # request whose client left never collects them, so they are kept only while someone will.
+        self._open: set[str] = set()
         self._stats: dict[str, RequestStats] = {}
         engine.add_observer(self._on_step, self._on_request)
 
@@ -113,7 +116,8 @@ class ModelService:
         matcher = StopMatcher(req.params.stop_strings)
         decoder = IncrementalDecoder(self.tok)
         text, index, ttft, finish, hyps, handle, done = "", 0, None, FinishReason.LENGTH, (), None, False
-        events = None
+        events, stats = None, None
+        self._open.add(gen.request_id)
         try:
             events, handle = self._events(gen, req.field)
             async for ev in events:
@@ -143,11 +147,13 @@ class ModelService:
             self._count_cancel("deadline" if time.time() >= req.deadline_wall else "disconnect")
             raise
         finally:
+            self._open.discard(gen.request_id)  # before any await: a cancelled caller may not get past one
+            stats = self._stats.pop(gen.request_id, None)
             if handle is not None and not done:  # stop string, client gone or error: free the slot now
                 _cancel_quietly(handle)
             if events is not None:
                 await events.aclose()
-        yield self._result(gen, req, text, index, finish, hyps, ttft, started)
+        yield self._result(gen, req, text, index, finish, hyps, ttft, started, stats)
 
     # -- internals ------------------------------------------------------------------------------------
     def _prepare(self, req: TextRequest) -> GenerationRequest:
@@ -179,7 +185,7 @@ class ModelService:
         return handle.__aiter__(), handle
 
     def _result(self, gen: GenerationRequest, req: TextRequest, text: str, n_tokens: int, finish: FinishReason,
-                hyps: tuple, ttft: float | None, started: float) -> TextResult:
+                hyps: tuple, ttft: float | None, started: float, stats: RequestStats | None) -> TextResult:
         if finish == FinishReason.DEADLINE and n_tokens == 0 and not hyps:
             raise ServiceError(ErrorKind.DEADLINE, f"request passed its deadline "
                                f"({time.monotonic() - started:.2f}s) before producing a token")
@@ -188,7 +194,6 @@ class ModelService:
             n_best = tuple((self.tok.decode(ids), float(score)) for ids, score in hyps[: req.params.n_best])
             text, n_tokens = n_best[0][0], len([i for i in hyps[0][0] if i != self.tok.eos_id])
             text = StopMatcher(req.params.stop_strings).trim(text)
-        stats = self._stats.pop(gen.request_id, None)
         prompt_tokens = self._user_tokens(gen)
         return TextResult(text=text, finish_reason=finish.value, prompt_tokens=prompt_tokens,
                           completion_tokens=n_tokens, queue_s=stats.queue_wait if stats else None,
@@ -205,9 +210,8 @@ class ModelService:
             self.recorder.inc("kvserve_cancellations_total", {**self.labels, "reason": reason})
 
     def _on_request(self, s: RequestStats) -> None:
-        self._stats[s.request_id] = s
-        if len(self._stats) > 10_000:  # stats of requests nobody collects (e.g. cancelled): drop the oldest
-            self._stats.pop(next(iter(self._stats)))
+        if s.request_id in self._open:
+            self._stats[s.request_id] = s
         if self.recorder is None:
             return
         m, r = self.labels, self.recorder
