@@ -173,6 +173,10 @@ def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
     out = subprocess.run([str(wrapper), "-vv"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "HAProxy version" in out.stdout
     assert " -dS " in wrapper.read_text()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # a directory others can write to: the wrapper goes to a private one instead
+    assert launch.haproxy_without_splice(shared).parent != shared
     for key in (*launch.DATA_PLANE_ENV, launch.HAPROXY_BINARY_ENV, *launch.HAPROXY_PORT_ENV):
         monkeypatch.delenv(key, raising=False)
     assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV].endswith("haproxy-nosplice")

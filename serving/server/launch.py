@@ -82,7 +82,10 @@ def haproxy_without_splice(directory: Path | None = None) -> Path | None:
     if binary is None:
         return None
     directory = directory or Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}"
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # someone else's, or writable by others: not to be exec'd
+        directory = Path(tempfile.mkdtemp(prefix="kvserve-"))
     path = directory / "haproxy-nosplice"
     tmp = path.with_suffix(f".{os.getpid()}")
     tmp.write_text(f"#!/bin/sh\nexec {shlex.quote(binary)} -dS \"$@\"\n")
