@@ -57,7 +57,7 @@ def tensor_scatter(buf: Tensor, new: Tensor, write_pos: Tensor) -> Tensor:
 def _export_self_attention(self: MultiHeadAttention, x: Tensor, cache: KV, write_pos: Tensor,
                            allowed: Tensor) -> tuple[Tensor, KV]:
     """MultiHeadAttention.forward_cached as exported: in-place write, attention over the live prefix."""
-    q, k_new, v_new = (self.split_heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))  # (B, H, T, Dh)
+    q, k_new, v_new = _fused_qkv(self, x)  # (B, H, T, Dh)
     k = tensor_scatter(cache[0], k_new, write_pos)  # (B, H, M, Dh)
     v = tensor_scatter(cache[1], v_new, write_pos)
     live = (write_pos.max() + x.shape[1]).item()  # every real query position is < live
@@ -124,10 +124,15 @@ def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
     return out.to(linears[0].weight.dtype)
 
 
+def _fused_qkv(self: MultiHeadAttention, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (each (B, H, T, Dh)) from the one fused projection `qkv_proj` that `_for_export` adds."""
+    q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+    return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+
 def _fused_self_attention(self: MultiHeadAttention, x: Tensor, kv_src: Tensor, allowed: Tensor) -> Tensor:
     """MultiHeadAttention.forward for self-attention (kv_src is x), with one q/k/v projection."""
-    q, k, v = (self.split_heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
-    return self.attend(q, k, v, allowed)
+    return self.attend(*_fused_qkv(self, x), allowed)
 
 
 def _fused_cross_kv(self: EncoderDecoder, memory: Tensor) -> list[KV]:

@@ -259,7 +259,7 @@ async def test_stats_of_requests_nobody_collects_are_not_kept(tok):
     on_request(late)  # what the real engine does once the cancelled request leaves its batch
     done = await service.complete(TextRequest("hi", SamplingParams(max_new_tokens=5), deadline_wall=9e18))
     assert done.queue_s is not None  # a finished request still reads its own
-    assert service._stats == {} and service._open == set()
+    assert service._stats == {}  # neither the abandoned request's stats nor the finished one's
 
 
 # -- stop strings -------------------------------------------------------------------------------------------

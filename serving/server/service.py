@@ -88,10 +88,9 @@ class ModelService:
         self.max_prompt_tokens = max_prompt_tokens
         self.recorder = recorder
         self.labels = {"model": name, "version": version}  # of every metric this service records
-        # The engine's stats of the requests whose stream is still open (its result reads queue_wait): a
-        # request whose client left never collects them, so they are kept only while someone will.
-        self._open: set[str] = set()
-        self._stats: dict[str, RequestStats] = {}
+        # The engine's stats of each request whose stream is still open (None until they arrive; its result
+        # reads queue_wait): a request whose client left never collects them, so none are kept past the stream.
+        self._stats: dict[str, RequestStats | None] = {}
         engine.add_observer(self._on_step, self._on_request)
 
     @property
@@ -117,7 +116,7 @@ class ModelService:
         decoder = IncrementalDecoder(self.tok)
         text, index, ttft, finish, hyps, handle, done = "", 0, None, FinishReason.LENGTH, (), None, False
         events, stats = None, None
-        self._open.add(gen.request_id)
+        self._stats[gen.request_id] = None
         try:
             events, handle = self._events(gen, req.field)
             async for ev in events:
@@ -147,8 +146,7 @@ class ModelService:
             self._count_cancel("deadline" if time.time() >= req.deadline_wall else "disconnect")
             raise
         finally:
-            self._open.discard(gen.request_id)  # before any await: a cancelled caller may not get past one
-            stats = self._stats.pop(gen.request_id, None)
+            stats = self._stats.pop(gen.request_id, None)  # before any await: a cancelled caller may not pass one
             if handle is not None and not done:  # stop string, client gone or error: free the slot now
                 _cancel_quietly(handle)
             if events is not None:
@@ -210,7 +208,7 @@ class ModelService:
             self.recorder.inc("kvserve_cancellations_total", {**self.labels, "reason": reason})
 
     def _on_request(self, s: RequestStats) -> None:
-        if s.request_id in self._open:
+        if s.request_id in self._stats:  # its stream is open
             self._stats[s.request_id] = s
         if self.recorder is None:
             return
