@@ -6,13 +6,13 @@
 One continuous-batching Engine per bundle, in-process, C clients in a closed loop (bench/engine.py's workload:
 prompts of 4-24 tokens, outputs spread over --min-new..--max-new, eos ignored), greedy. The engine is timed
 from outside, the way a profiler would: a clock around every ONNX Runtime call of its runtime's sessions
-(`run_with_iobinding`) and around its step runner's `execute` (the worker thread's whole step); the run's wall
+(`run_with_iobinding`) and around its step runner's `execute` (the runner's whole step); the run's wall
 time divided by its steps is the time per step. Per step, in milliseconds:
 - `ort decoder`, `ort encoder`, `ort helpers` (the slot-copy and cross-KV placement graphs): inside ORT;
-- `runner python`: the worker thread outside ORT (slot copies in numpy, building and binding inputs, reading
+- `runner python`: the runner outside ORT (slot copies in numpy, building and binding inputs, reading
   logits, argmax / sampling / beam bookkeeping);
 - `engine loop`: the rest of the wall time (scheduling, turning tokens into events, finishing requests, the
-  hand-off between the event loop and the worker thread, clients consuming their events while nothing runs).
+  hand-off of the events to the event loop).
 
 `--baseline REF` measures the engine of another git revision (a temporary worktree on PYTHONPATH, the same
 bundles) in a separate process, alternated with this tree's, round by round: the before and after of a change.

@@ -139,8 +139,8 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
     out += [_section_date(b), "",
             f"Each model on one continuous-batching engine, in-process, C clients in a closed loop ({b['threads']} ORT "
             f"thread(s), outputs of {b['min_new']}-{b['max_new']} tokens, greedy), timed from outside like a profiler: "
-            "a clock around every ONNX Runtime call per graph and around the worker thread's step (bench/breakdown.py). "
-            "`runner python` = the worker thread outside ORT (inputs, bindings, argmax, slot copies); `engine loop` = "
+            "a clock around every ONNX Runtime call per graph and around the runner's step (bench/breakdown.py). "
+            "`runner python` = the runner outside ORT (inputs, bindings, argmax, slot copies); `engine loop` = "
             "the rest of the wall time (scheduling, events, finishing requests, thread hand-offs). "
             + (f"`baseline {b['baseline']}` is the engine of that commit on the same bundles, alternated with this "
                f"tree's in separate processes; " if b.get("baseline") else "")

@@ -1,8 +1,8 @@
 """Test-only fault injection into a real ModelRuntime: a step that hangs, or steps that raise.
 
-`StepFaults.install(runtime)` wraps the runtime's `step` (the ONNX Runtime decoder call the engine's worker
+`StepFaults.install(runtime)` wraps the runtime's `step` (the ONNX Runtime decoder call the engine's step
 thread makes, serving/engine/runner.py) in place, so everything else stays the real thing. A hang blocks the
-worker thread the way a stuck ONNX Runtime call would (nothing can interrupt it) until `release()`. Used by
+thread the way a stuck ONNX Runtime call would (nothing can interrupt it) until `release()`. Used by
 the fast engine tests (tests/test_engine_faults.py) and, inside a Ray replica, by tests/fault_app.py. Imports
 nothing of Ray or the server: production code never imports it.
 """

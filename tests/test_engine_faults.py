@@ -3,7 +3,7 @@
 - One transient step error fails only that step's rows: the requests still waiting run afterwards with the
   tokens they produce alone, the next 20 requests succeed, and every slot is free again.
 - A step that hangs (an ONNX Runtime call that never returns, which nothing can interrupt) trips the
-  watchdog, a timer on the event loop, after `step_timeout_s`: every running and waiting request ends at
+  watchdog, a task on the event loop, after `step_timeout_s`: every running and waiting request ends at
   once with a retryable error, new requests are refused with EngineDead, the snapshot says why, the
   replica's health check fails (so Ray replaces the replica), and `stop()` does not wait for the stuck thread.
   Over HTTP that is a 503 with Retry-After, or an `unavailable` error event for a stream already answering.
@@ -125,12 +125,18 @@ async def test_a_hung_step_reaches_http_clients_as_retryable_503s_and_error_even
     from test_api import LocalBackend
 
     eng, faults = faulty_engine(step_timeout_s=0.3)
+    faulty_step = eng.runtime.step
+
+    def slow_step(*a, **kw):  # a tiny model's whole request takes ~15 ms: both requests must overlap
+        time.sleep(0.005)
+        return faulty_step(*a, **kw)
+    eng.runtime.step = slow_step
     await eng.start()
     steps = []
 
-    def on_step(s) -> None:  # both requests are decoding: the next step hangs
-        steps.append(s)
-        if len(steps) == 3:
+    def on_step(s) -> None:  # both requests are decoding (each has a token): the next step hangs
+        if not steps and s.running == 2 and s.prefill_tokens == 0:
+            steps.append(s)
             faults.hang_next()
     eng.add_observer(on_step, None)
     tok = Tokenizer.load(load_bundle(cached_bundle("generate")[0]).tokenizer_path)

@@ -1,6 +1,6 @@
 """The step runner: executes a StepPlan on the ModelRuntime and picks each row's next token.
 
-Runs in the engine's worker thread (ONNX Runtime releases the GIL, the event loop keeps serving). Owns the
+Runs in the engine's step thread (ONNX Runtime releases the GIL, the event loop keeps serving). Owns the
 per-slot decode inputs (last token, cached length) as numpy arrays so that building a decode step is a
 slice, not a Python loop; the slot copies (compaction moves, beam reorders) on the runtime and on those
 arrays; the encoder run for joiners, the decode call on rows [0, D) and the prefill call on the joiners'
@@ -10,7 +10,7 @@ the batched argmax of plain greedy rows, per-row sampling and beam advances; the
 (serving/engine/beam.py), as Hugging Face's generate applies them.
 
 Does not own: which rows run (serving/engine/scheduler.py), events, finishing requests (serving/engine/engine.py).
-Everything it touches belongs to the step in flight: the engine's event-loop thread waits for it.
+Everything it touches belongs to the step in flight; only the step thread calls it.
 """
 from __future__ import annotations
 
