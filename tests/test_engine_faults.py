@@ -93,6 +93,23 @@ async def test_a_hung_step_fails_every_request_at_the_timeout_and_the_engine_rep
         faults.release()
 
 
+async def test_stop_during_a_hung_step_returns_once_the_watchdog_gives_up_on_it():
+    eng, faults = faulty_engine(max_slots=2, step_timeout_s=0.5)
+    await eng.start()
+    try:
+        faults.hang_next()
+        handles = [eng.submit(req(i, n=40, prefix="s")) for i in range(3)]
+        while not faults.hanging.is_set():
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await asyncio.wait_for(eng.stop(drain_timeout_s=0.1), 5)  # the drain gives up before the watchdog fires
+        assert time.monotonic() - t0 < 2.0
+        events = await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 2)
+        assert all(e[-1].finish_reason == FinishReason.ERROR and "step_timeout_s" in e[-1].error for e in events)
+    finally:
+        faults.release()
+
+
 async def test_a_hung_engine_fails_the_replica_health_check():
     from serving.server.config import ModelSpec
     from serving.server.local_model import LocalModel
