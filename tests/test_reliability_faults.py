@@ -143,9 +143,11 @@ def _with_fault_app(rel) -> dict:
     return raw
 
 
-def _pid(h, timeout_s: float = 60) -> int | None:
+async def _pid(h, timeout_s: float = 60) -> int | None:
+    """The replica's pid, through the handle on the running event loop (with Serve's throughput-optimized data
+    plane, a handle's router runs on the caller's loop: it cannot be used from a thread without one)."""
     try:
-        return h.info.remote().result(timeout_s=timeout_s)["pid"]
+        return (await asyncio.wait_for(h.info.remote(), timeout_s))["pid"]
     except Exception:  # the replica died under the call, or none is there yet
         return None
 
@@ -186,30 +188,33 @@ def test_a_hung_step_gets_its_replica_replaced(rel):
     start(_with_fault_app(rel), timeout_s=300)
     try:
         h = serve.get_deployment_handle(HANG_MODEL, app_name=FAULT_APP)
-        first = _pid(h)
 
-        async def run() -> tuple[list[Outcome], float, float | None]:
+        async def run() -> tuple[list[Outcome], float, float | None, int | None, int | None]:
+            first = await _pid(h)
             stop, under_way = asyncio.Event(), asyncio.Event()
             load = asyncio.create_task(_load(rel, stop))
             await asyncio.sleep(2)
             watched = asyncio.create_task(_watched_stream(rel, under_way))
             await asyncio.wait_for(under_way.wait(), 30)  # a stream has tokens out when the step hangs
-            assert await asyncio.to_thread(lambda: h.inject_hang.remote().result(timeout_s=30)) == first
+            assert await asyncio.wait_for(h.inject_hang.remote(), 30) == first
             hung = time.monotonic()
             replaced = None
             while time.monotonic() - hung < 60:
-                pid = await asyncio.to_thread(_pid, h, 5)
+                pid = await _pid(h, 5)
                 if pid is not None and pid != first:
                     replaced = time.monotonic() - hung
                     break
                 await asyncio.sleep(0.2)
             await asyncio.sleep(3)  # the load goes on against the new replica
             stop.set()
-            return await load + [await watched], hung, replaced
-        outcomes, hung, replaced = asyncio.run(run())
+            result = await load + [await watched], hung, replaced, first, await _pid(h)
+            from ray.serve.context import _get_global_client
+            await _get_global_client().shutdown_cached_handles_async()  # their routers live on this loop
+            return result
+        outcomes, hung, replaced, first, now_serving = asyncio.run(run())
         with httpx.Client(base_url=f"{rel.base}/{FAULT_APP}", headers=rel.auth, timeout=CLIENT_TIMEOUT_S) as c:
             after = [c.post("/v1/generate", json={**HANG, "max_tokens": 8}).status_code for _ in range(20)]
-        _check_hang(outcomes, hung, replaced, after, first, _pid(h))
+        _check_hang(outcomes, hung, replaced, after, first, now_serving)
     finally:
         start(rel.raw, timeout_s=300)  # the reliability application alone again
 
