@@ -91,8 +91,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._done: asyncio.Future | None = None  # set once the step thread has ended
+        self._done: asyncio.Future | None = None  # the step thread's end (None: not started, or stopped)
         self._watchdog: asyncio.Task | None = None
         self._step_t0: float | None = None  # perf_counter at the start of the step in flight (None: none)
         self._accepting, self._stopping, self._dead = True, False, False
@@ -114,11 +113,10 @@ class Engine:
 
     # ---- public API --------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._thread is None:
+        if self._done is None:
             self._loop = asyncio.get_running_loop()
             self._done = self._loop.create_future()
-            self._thread = threading.Thread(target=self._run, name="kvserve-step", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._run, args=(self._done,), name="kvserve-step", daemon=True).start()
             self._watchdog = self._loop.create_task(self._watch(), name="kvserve-watchdog")
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
@@ -132,13 +130,14 @@ class Engine:
                 seq.cancelled = True
             self._stopping = True
         self._wake.set()
-        # The watchdog stays on until the thread has ended: a hung step's thread is abandoned once it fires.
-        while self._done is not None and not self._done.done() and self._hung is None:
-            await asyncio.wait({self._done}, timeout=0.05)
-        if self._watchdog is not None:
+        if self._done is not None:
+            # The watchdog stays on until the thread has ended; once it gives up on a hung step (and ends), that
+            # step's thread is abandoned.
+            await asyncio.wait({self._done, self._watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if self._hung is None:
+                await self._done
             self._watchdog.cancel()
-            self._watchdog = None
-        self._thread = self._done = None
+        self._done = self._watchdog = None
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request (or raise AdmissionRejected / InvalidRequest / EngineDead); iterate the handle."""
@@ -199,7 +198,7 @@ class Engine:
                         max_new_tokens=p.max_new_tokens, deadline=req.deadline, payload=state)
 
     # ---- the step loop (its own thread) -------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, done: asyncio.Future) -> None:
         try:
             while not self._dead and not (self._stopping and not self._live):
                 self._iteration()
@@ -209,7 +208,7 @@ class Engine:
                 self._die(f"engine loop crashed: {e!r}")
         finally:
             self._hand_over()
-            self._call_soon(lambda: self._done is None or self._done.done() or self._done.set_result(None))
+            self._call_soon(done.set_result, None)
 
     def _iteration(self) -> None:
         """One step: schedule -> run -> update. The lock is held while the scheduler's state changes, never
