@@ -57,7 +57,7 @@ class BenchPlan:
     step_batches: tuple[int, ...] = (1, 16)
     step_context: int = 32
     step_iters: int = 200
-    engine_concurrency: tuple[int, ...] = (1, 8, 32)
+    engine_concurrency: tuple[int, ...] = (1, 8, 32, 64)  # 32: the HTTP section's load; 64: the best batch
     engine_rounds: int = 3
     engine_requests_per_client: int = 6
     engine_min_new: int = 8

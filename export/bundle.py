@@ -41,7 +41,7 @@ class BundleError(ValueError):
 
 class Variant(str, Enum):
     FP32 = "fp32"  # the reference
-    INT8 = "int8"  # int8 MatMul weights (MatMulNBits, per-row activation scales: batch-invariant), for the CPU EP
+    INT8 = "int8"  # int8 x int8 products (per-channel weights, per-row activation scales: batch-invariant), CPU EP
     INT8_DYNAMIC = "int8-dynamic"  # ORT dynamic quantization: faster on the CPU EP, but a row depends on its batch
     FP16 = "fp16"  # for the CUDA EP
 

@@ -1,4 +1,6 @@
 """int8 and fp16 bundle variants: they build, pass their checks, load and decode."""
+from collections import Counter
+
 import numpy as np
 import onnx
 import pytest
@@ -17,7 +19,7 @@ def base(tmp_path_factory):
     return tmp_path_factory.mktemp("variants")
 
 
-@pytest.mark.parametrize("variant,op", [("int8", "MatMulNBits"), ("int8-dynamic", "MatMulInteger")])
+@pytest.mark.parametrize("variant,op", [("int8", "MatMulIntegerToFloat"), ("int8-dynamic", "MatMulInteger")])
 def test_int8_bundle_quantizes_matmuls_and_decodes_close_to_fp32(base, variant, op):
     path = tiny_bundle(base, "translate", variant)
     b = load_bundle(path)
@@ -77,3 +79,33 @@ def test_int8_rows_do_not_depend_on_their_batch(base):
         decode = rt.step(0, rows[:, :1], np.ones(6, np.int64), np.full(6, n))  # one more token each, cached
         rt.step(0, rows[:1], np.array([n]), np.zeros(1, np.int64))  # row 0 alone again from the same state
         np.testing.assert_array_equal(rt.step(0, rows[:1, :1], np.ones(1, np.int64), np.array([n]))[0], decode[0])
+
+
+def test_rows_int8_quantizes_matmul_and_gemm_per_row():
+    """rows_int8 on a two-product graph (x @ W1, then Gemm with W2^T + bias): no float product is left, the
+    result is close to float32's, a row's output is the same alone and in a batch, and a row of zeros (scale 0)
+    comes out as the bias exactly."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.variants import rows_int8
+
+    rng = np.random.default_rng(0)
+    w1, w2, b2 = (rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((16, 24), (8, 24), (8,)))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Gemm", ["h", "w2", "b2"], ["y"], transB=1)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 8])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(b2, "b2")])
+    model = rows_int8(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]))
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMulIntegerToFloat"] == 2 and ops["MatMul"] == ops["Gemm"] == 0, ops
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    x[3] = 0
+    y = sess.run(None, {"x": x})[0]
+    ref = x @ w1 @ w2.T + b2
+    assert 1e-6 < np.abs(y - ref).max() < 0.02 * np.abs(ref).max()
+    np.testing.assert_array_equal(y[3], b2)
+    for i in range(5):
+        np.testing.assert_array_equal(sess.run(None, {"x": x[i:i + 1]})[0][0], y[i])
