@@ -13,6 +13,9 @@ Phase "closed": `concurrency` clients; the modes alternate, their order reversed
 Phases "open-a" and "open-b": Poisson arrivals at `rate_fraction` x the closed-loop request throughput of
 request-level batching (a load both batching modes should carry) and of continuous batching (the capacity
 of the server as shipped); same alternation. Figures per mode are medians over rounds.
+Phase "completions": continuous batching, non-streaming /v1/completions. Phase "wrk": continuous batching
+driven by wrk, a C load generator that leaves the server the cores the Python load tester takes
+(bench/wrk.py), streaming and not.
 
 Does not measure: more than one replica (the modes are compared on the one replica), translation, or the
 engine without the HTTP path (bench/engine.py); the load generator shares the machine, and its own lag is
@@ -51,6 +54,8 @@ METRICS_FLUSH_S = 1.5  # the bench's Ray exports metrics every second (metrics_r
 STEPS = "kvserve_engine_batch_size_count"  # one observation per engine step
 CONTINUOUS, REQUEST = "continuous", "request"  # the names the claim compares
 COMPLETIONS = "continuous, non-streaming /v1/completions"
+WRK_RUNS = {"streaming": ("/v1/generate", Workload.GENERATE, True),  # wrk phase: name -> (path, workload, stream)
+            "non-streaming": ("/v1/completions", Workload.COMPLETIONS, False)}
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class HttpPlan:
     timeout_s: float = 15.0  # a client gives up after this (an overloaded mode's backlog must not stall the run)
     long_wait_s: float = 0.25  # the request-level variant's batch_wait_timeout_s
     placement: str = "colocated"  # as `kvserve serve` runs the models (serving/server/launch.py PLACEMENTS)
+    wrk: bool = True  # also drive continuous batching with wrk (bench/wrk.py), where it is installed
 
     def modes(self, closed: bool) -> list[HttpMode]:
         out = [HttpMode(CONTINUOUS, BatchingMode.CONTINUOUS), HttpMode(REQUEST, BatchingMode.REQUEST)]
@@ -295,6 +301,36 @@ def _completions_phase(server: BenchServer, plan: HttpPlan, data_dir: Path, work
     return runs
 
 
+def _wrk_phase(server: BenchServer, plan: HttpPlan, data_dir: Path) -> list[dict]:
+    """Continuous batching driven by wrk (a C load generator, bench/wrk.py) at `concurrency` clients, the
+    TTFT probe being one of them: the same requests as the Python runs, streaming and not, alternated."""
+    from bench.wrk import run_wrk, wrk_path
+    from loadtest.workloads import load_inputs, request_body
+
+    if not plan.wrk or wrk_path() is None:
+        print("bench http: wrk not found (apt-get install wrk): no wrk runs", file=sys.stderr, flush=True)
+        return []
+    server.set_mode(HttpMode(CONTINUOUS, BatchingMode.CONTINUOUS))
+
+    def bodies(workload: Workload, stream: bool) -> list[dict]:
+        cfg = load_config(server.url, plan, data_dir, None, workload, stream)
+        inputs = load_inputs(workload, data_dir)
+        return [request_body(cfg, inputs, i) for i in range(1024)]
+    probe = bodies(Workload.GENERATE, True)[512:]
+    runs = []
+    for rnd in range(plan.closed_rounds):
+        for name in (list(WRK_RUNS) if rnd % 2 == 0 else list(WRK_RUNS)[::-1]):
+            path, workload, stream = WRK_RUNS[name]
+            run_wrk(server.url, path, bodies(workload, stream), plan.concurrency, plan.warmup_s)  # warm-up
+            r = run_wrk(server.url, path, bodies(workload, stream), plan.concurrency, plan.duration_s, probe,
+                        timeout_s=plan.timeout_s)
+            runs.append({"phase": "wrk", "mode": name, "round": rnd, "rate": None, **r})
+            print(f"bench http wrk {name:13s} r{rnd} {r['output_tokens_per_s']:7.1f} tok/s  ttft p99 "
+                  f"{r['ttft_p99_s'] or float('nan'):6.3f} s  wrk cpu {r['load_generator_cpu']:.3f}  errors "
+                  f"{r['errors']}", file=sys.stderr, flush=True)
+    return runs
+
+
 def summarize(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     """{phase: {mode: medians over rounds}} of the numeric figures."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -324,6 +360,7 @@ def run(shipped: Path, bundle: Path, data_dir: Path, plan: HttpPlan, work: Path)
         startup_s = time.perf_counter() - t0
         runs = _phase(server, plan, data_dir, "closed", None, work)
         runs += _completions_phase(server, plan, data_dir, work)
+        runs += _wrk_phase(server, plan, data_dir)
         open_phases = {}
         for phase, basis in (("open-a", REQUEST), ("open-b", CONTINUOUS)):
             capacity, rate = _open_rate(runs, basis, plan.rate_fraction)

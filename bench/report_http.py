@@ -39,29 +39,45 @@ HTTP_TARGETS = {"streaming": 0.5, "non-streaming": 0.6}  # HTTP / in-process tok
 def http_ratios(http: dict[str, Any], inproc: dict[str, Any]) -> dict[str, Any] | None:
     """Output tokens/s through HTTP at the bench's concurrency over the in-process engine's at the same
     concurrency (section 2: same bundle, KV slots, ORT threads and output lengths): streaming /v1/generate and
-    non-streaming /v1/completions, both with continuous batching."""
+    non-streaming /v1/completions, both with continuous batching, per load generator: wrk (C, bench/wrk.py)
+    and `kvserve loadtest` (Python, in the bench's process)."""
     c = http["plan"]["concurrency"]
     row = next((r for r in inproc["engine"]["summary"] if r["mode"] == "continuous" and r["concurrency"] == c), None)
-    runs = {"streaming": http["summary"].get("closed", {}).get("continuous"),
-            "non-streaming": http["summary"].get("completions", {}).get(COMPLETIONS_MODE)}
-    if not row or not any(runs.values()):
+    s = http["summary"]
+    generators = {"wrk": {k: v for k, v in s.get("wrk", {}).items()},
+                  "loadtest": {"streaming": s.get("closed", {}).get("continuous"),
+                               "non-streaming": s.get("completions", {}).get(COMPLETIONS_MODE)}}
+    if not row:
         return None
-    return {"concurrency": c, "inprocess_tokens_per_s": row["busy_tokens_per_s"],
-            **{k: {"tokens_per_s": v["output_tokens_per_s"], "ratio": v["output_tokens_per_s"] / row["busy_tokens_per_s"],
-                   "target": HTTP_TARGETS[k]} for k, v in runs.items() if v}}
+    base = row["busy_tokens_per_s"]
+    out = {name: {k: {"tokens_per_s": v["output_tokens_per_s"], "ratio": v["output_tokens_per_s"] / base,
+                      "target": HTTP_TARGETS[k], "ttft_p99_s": v.get("ttft_p99_s"),
+                      "load_generator_cpu": v.get("load_generator_cpu")} for k, v in runs.items() if v}
+           for name, runs in generators.items()}
+    out = {name: runs for name, runs in out.items() if runs}
+    return {"concurrency": c, "inprocess_tokens_per_s": base, "generators": out} if out else None
 
 
-def http_vs_inprocess(http: dict[str, Any], inproc: dict[str, Any]) -> str | None:
+GENERATOR_NAMES = {"wrk": "wrk (C; one of the clients is a Python TTFT probe)",
+                   "loadtest": "`kvserve loadtest` (Python, in the bench's process)"}
+
+
+def http_vs_inprocess(http: dict[str, Any], inproc: dict[str, Any], short: bool = False) -> str | None:
     """How much of the in-process engine's continuous-batching throughput the HTTP path delivers."""
     r = http_ratios(http, inproc)
     if r is None:
         return None
-    parts = [f"{k} {v['tokens_per_s']:.0f} output tokens/s, **{v['ratio']:.2f}** of it (target {v['target']:g})"
-             for k, v in r.items() if isinstance(v, dict)]
+    parts = []
+    for name, runs in r["generators"].items():
+        cpu = [v["load_generator_cpu"] for v in runs.values() if v.get("load_generator_cpu") is not None]
+        who = GENERATOR_NAMES[name] + (f", {max(cpu):.2f} of a core" if cpu else "")
+        parts.append(f"driven by {who}: " + "; ".join(
+            f"{k} {v['tokens_per_s']:.0f} output tokens/s, **{v['ratio']:.2f}** (target {v['target']:g})"
+            + (f", p99 TTFT {v['ttft_p99_s'] * 1e3:.0f} ms" if v.get("ttft_p99_s") else "") for k, v in runs.items()))
+    where = "" if short else " (section 2, same bundle, slots, ORT threads and output lengths)"
     return (f"HTTP / in-process at {r['concurrency']} clients: the engine in-process reaches "
-            f"{r['inprocess_tokens_per_s']:.0f} tokens/s (section 2, same bundle, slots, ORT threads and output "
-            f"lengths); through HTTP, " + "; ".join(parts) + ". Everything shares this machine's "
-            f"{inproc.get('cpus') or 'few'} cores, the load generator included.")
+            f"{r['inprocess_tokens_per_s']:.0f} tokens/s{where}; through HTTP " + "; ".join(parts) + ". Everything "
+            f"shares this machine's {inproc.get('cpus') or 'few'} cores, the load generator included.")
 
 
 def _http_table(summary: dict[str, dict[str, Any]]) -> list[str]:
@@ -73,6 +89,16 @@ def _http_table(summary: dict[str, dict[str, Any]]) -> list[str]:
                    f"{t(m.get('ttft_p99_s'))} | {t(m.get('e2e_p50_s'))} | {t(m.get('e2e_p99_s'))} | "
                    f"{t(m.get('itl_p50_s'))} | {m['failed']:.0f} ({m['rejected_429']:.0f}) | "
                    f"{'n/a' if rows is None else f'{rows:.1f}'} |")
+    return out
+
+
+def _wrk_table(summary: dict[str, dict[str, Any]]) -> list[str]:
+    out = ["| run | output tok/s | answers/s | TTFT p50 (probe) | TTFT p99 (probe) | e2e p50 | e2e p99 | errors | "
+           "wrk CPU (cores) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, m in summary.items():
+        out.append(f"| {name} | {m['output_tokens_per_s']:.0f} | {m['requests_per_s']:.2f} | {t(m.get('ttft_p50_s'))} | "
+                   f"{t(m.get('ttft_p99_s'))} | {t(m.get('e2e_p50_s'))} | {t(m.get('e2e_p99_s'))} | {m['errors']:.0f} | "
+                   f"{m['load_generator_cpu']:.3f} |")
     return out
 
 
@@ -148,6 +174,14 @@ def render_http(b: dict[str, Any], inproc: dict[str, Any] | None = None) -> list
     for phase, title in http_phases(b):
         if phase in s:
             out += [f"### {title}", "", *_http_table(s[phase]), "", *[r + "\n" for ph, r in readings if ph == phase]]
+    if "wrk" in s:
+        out += ["### Closed loop, driven by wrk", "",
+                f"Continuous batching, {p['concurrency']} closed-loop clients: wrk, a load generator written in C "
+                "(bench/wrk.py; a few hundredths of a core where the Python load tester takes about 0.4), with the "
+                "same request bodies, and one Python client among them that times each streamed request's first "
+                "token. Streaming `/v1/generate` and non-streaming `/v1/completions`, alternated, medians of "
+                f"{p['closed_rounds']} rounds; tokens from each complete answer's `usage`.", "",
+                *_wrk_table(s["wrk"]), ""]
     out += [HTTP_NOTE, ""]
     versus = http_vs_inprocess(b, inproc) if inproc and inproc.get("ok") else None
     return out + ([versus, ""] if versus else []) + _commands(b)
@@ -193,9 +227,9 @@ def http_summary(sections: dict[str, dict[str, Any]]) -> list[str]:
         out += [f"- HTTP, {sentence[0].lower()}{sentence[1:]}" for _, sentence in http_readings(h)]
     i = sections.get("inprocess", {})
     if h.get("ok") and i.get("ok"):
-        versus = http_vs_inprocess(h, i)
+        versus = http_vs_inprocess(h, i, short=True)
         if versus:
-            out.append("- " + versus.split(" (section 2")[0] + "; through HTTP, " + versus.split("; through HTTP, ")[1])
+            out.append("- " + versus)
     hp = sections.get("http_path", {})
     if hp.get("ok"):
         by = {(r.get("data_plane"), r.get("placement"), r["run"].split()[0]): r["tokens_per_s"] for r in hp["runs"]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,11 @@ def _sections() -> dict:
               "request, wait 250 ms": _http_mode(8.0, 544.0, 2.0, 2.5), "none": _http_mode(2.0, 136.0, 9.0, 12.0)}
     opened = {k: v for k, v in copy.deepcopy(closed).items() if k != "request, wait 250 ms"}
     completions = {COMPLETIONS: _http_mode(12.0, 1300.0, 0.9, 2.0)}
+    wrk = {name: {"output_tokens_per_s": tok, "requests_per_s": 20.0, "ttft_p50_s": 0.05, "ttft_p99_s": 0.15,
+                  "e2e_p50_s": 1.0, "e2e_p99_s": 2.0, "errors": 0, "load_generator_cpu": cpu}
+           for name, tok, cpu in (("streaming", 1100.0, 0.041), ("non-streaming", 1500.0, 0.004))}
     http = {"ok": True, "plan": vars(HttpPlan()),
-            "summary": {"closed": closed, "completions": completions, "open-a": opened, "open-b": opened},
+            "summary": {"closed": closed, "completions": completions, "wrk": wrk, "open-a": opened, "open-b": opened},
             "config_overrides": ["only generate"], "config_file": "artifacts/bench/http/serve_config.bench.yaml",
             "replica_pids": [42], "commands": ["kvserve loadtest URL"], "date_utc": "d", "elapsed_s": 300,
             "open_phases": {"open-a": {"basis": "request", "capacity_req_per_s": 5.0, "rate": 4.0},
@@ -137,8 +141,12 @@ def test_doc_has_every_table_ratio_and_the_ct2_ratio_whichever_way_it_falls():
     assert "Open loop, Poisson arrivals at 4 req/s (0.8 x the request mode's closed-loop 5.00 req/s" in doc
     assert "| request, wait 250 ms | 8.00 | 544 |" in doc
     # HTTP / in-process at 32 clients, both APIs, against the fixture's 2000 tok/s in-process, body and summary
-    assert doc.count("streaming 680 output tokens/s, **0.34** of it (target 0.5); non-streaming 1300 output "
-                     "tokens/s, **0.65** of it (target 0.6)") == 2
+    assert doc.count("driven by wrk (C; one of the clients is a Python TTFT probe), 0.04 of a core: streaming 1100 "
+                     "output tokens/s, **0.55** (target 0.5), p99 TTFT 150 ms; non-streaming 1500 output tokens/s, "
+                     "**0.75** (target 0.6), p99 TTFT 150 ms; driven by `kvserve loadtest` (Python, in the bench's "
+                     "process): streaming 680 output tokens/s, **0.34** (target 0.5), p99 TTFT 200 ms; non-streaming "
+                     "1300 output tokens/s, **0.65** (target 0.6), p99 TTFT 900 ms") == 2
+    assert "| streaming | 1100 | 20.00 | 50 ms | 150 ms | 1.00 s | 2.00 s | 0 | 0.041 |" in doc
     assert f"| {COMPLETIONS} | 12.00 | 1300 |" in doc
     assert "ours 0.50x CTranslate2's sentences/s (slower; CTranslate2 is 2.00x ours)" in doc
     # int8 vs int8 beside fp32 vs fp32, in the body and the summary
@@ -316,9 +324,12 @@ def test_quick_bench_runs_every_section_on_tiny_bundles(tmp_path):
     for name in SECTIONS:
         assert json.loads((art / "bench" / f"{name}.json").read_text())["ok"]
     http = json.loads((art / "bench" / "http.json").read_text())
+    wrk_runs = {("wrk", "streaming"), ("wrk", "non-streaming")} if shutil.which("wrk") else set()
     assert {(r["phase"], r["mode"]) for r in http["runs"]} == {
-        ("closed", "request, wait 50 ms"), ("completions", COMPLETIONS), *((p, m) for p in ("closed", "open-a", "open-b")
-                                              for m in ("continuous", "request", "none"))}
+        ("closed", "request, wait 50 ms"), ("completions", COMPLETIONS), *wrk_runs,
+        *((p, m) for p in ("closed", "open-a", "open-b") for m in ("continuous", "request", "none"))}
+    assert all(r["answers"] > 0 and r["errors"] == 0 for r in http["runs"] if r["phase"] == "wrk")
+    http["runs"] = [r for r in http["runs"] if r["phase"] != "wrk"]
     # Closed loops never overload; the open loops' rates come from 2 s closed-loop runs, and a colocated engine's
     # bounded queue (max_waiting) answers an arrival it cannot hold with 429, never with another error.
     assert all(r["succeeded"] > 0 and r["failed"] == 0 for r in http["runs"] if r["phase"] in ("closed", "completions"))
