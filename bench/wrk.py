@@ -135,8 +135,9 @@ def run_wrk(url: str, path: str, bodies: list[dict[str, Any]], connections: int,
     tokens, answers, duration_us, p50_us, p99_us, errors = map(int, m.groups())
     wall = duration_us / 1e6
     ttfts = sorted(probe_ctx.ttfts) if probe_ctx else []
-    tokens += probe_ctx.tokens if probe_ctx else 0
-    return {"connections": n, "probe": probe, "seconds": wall, "answers": answers, "output_tokens_per_s": tokens / wall,
+    probe_tokens = probe_ctx.tokens if probe_ctx else 0
+    return {"connections": n, "probe": probe, "seconds": wall, "answers": answers, "wrk_tokens": tokens,
+            "probe_tokens": probe_tokens, "output_tokens_per_s": (tokens + probe_tokens) / wall,
             "requests_per_s": answers / wall, "e2e_p50_s": p50_us / 1e6, "e2e_p99_s": p99_us / 1e6, "errors": errors,
             "load_generator_cpu": (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / wall,
             "probe_requests": len(ttfts), "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99)}

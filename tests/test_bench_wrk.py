@@ -48,9 +48,10 @@ def test_wrk_counts_the_tokens_of_every_answer_and_the_probe_times_first_tokens(
     r = run_wrk(server, "/v1/completions", bodies, connections=3, seconds=1,
                 probe_bodies=[{"prompt": "z", "max_tokens": 4}])
     assert r["connections"] == 2 and r["answers"] > 10 and r["errors"] == 0
-    # answers alternate 5 and 3 tokens per connection; the probe's 4-token answers add to the total
-    per_answer = r["output_tokens_per_s"] / r["requests_per_s"]
-    assert 3.5 < per_answer < 6, r
+    # wrk's answers alternate 5 and 3 tokens; the probe's are 4 tokens each and add to the total
+    assert 3 * r["answers"] <= r["wrk_tokens"] <= 5 * r["answers"] and abs(r["wrk_tokens"] - 4 * r["answers"]) <= 3, r
+    assert r["probe_tokens"] > 0 and r["probe_tokens"] % 4 == 0, r
+    assert r["output_tokens_per_s"] == pytest.approx((r["wrk_tokens"] + r["probe_tokens"]) / r["seconds"])
     assert r["probe_requests"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] < 1
     assert 0 <= r["load_generator_cpu"] < 1.5
 
