@@ -53,6 +53,7 @@ def rows_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     readers = Counter(name for n in g.node for name in n.input)
     rw = _RowQuantizer(shapes)
     nodes: list[onnx.NodeProto] = []
+    quantized_weights: set[str] = set()
     for n in g.node:
         w = _constant_weight(n, weights)
         if w is None:
@@ -60,11 +61,13 @@ def rows_int8(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         x, y = n.input[0], n.output[0]
         q, scale = rw.quantize(x, w.shape[0], nodes)
-        wq, ws = _int8_columns(w)
         name = n.input[1]
-        rw.inits += [numpy_helper.from_array(wq, f"{name}/int8"), numpy_helper.from_array(ws, f"{name}/int8_scale")]
-        if readers[name] == 1:
-            g.initializer.remove(weights[name])
+        if name not in quantized_weights:  # a weight two products read is quantized once
+            quantized_weights.add(name)
+            wq, ws = _int8_columns(w)
+            rw.inits += [numpy_helper.from_array(wq, f"{name}/int8"), numpy_helper.from_array(ws, f"{name}/int8_scale")]
+            if readers[name] == 1:
+                g.initializer.remove(weights[name])
         # (x_q - 128) @ w_q times the row's scale (a_scale, one per row) and the column's; a Gemm's bias is added
         # after it (passed as the kernel's own bias input with per-row scales, ORT 1.32 gave 10% errors)
         bias = n.input[2] if len(n.input) > 2 and n.input[2] else None

@@ -92,14 +92,18 @@ def test_rows_int8_quantizes_matmul_and_gemm_per_row():
 
     rng = np.random.default_rng(0)
     w1, w2, b2 = (rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((16, 24), (8, 24), (8,)))
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Gemm", ["h", "w2", "b2"], ["y"], transB=1)],
+    graph = helper.make_graph(  # w1 read twice (as tied weights are): one int8 copy
+        [helper.make_node("MatMul", ["x", "w1"], ["h0"]), helper.make_node("MatMul", ["x", "w1"], ["h1"]),
+         helper.make_node("Add", ["h0", "h1"], ["h2"]), helper.make_node("Mul", ["h2", "half"], ["h"]),
+         helper.make_node("Gemm", ["h", "w2", "b2"], ["y"], transB=1)],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 8])],
-        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(b2, "b2")])
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(b2, "b2"),
+         numpy_helper.from_array(np.array(0.5, np.float32), "half")])
     model = rows_int8(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]))
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["MatMulIntegerToFloat"] == 2 and ops["MatMul"] == ops["Gemm"] == 0, ops
+    assert ops["MatMulIntegerToFloat"] == 3 and ops["MatMul"] == ops["Gemm"] == 0 and ops["QuantizeLinear"] == 2, ops
+    assert sorted(i.name for i in model.graph.initializer if i.name.endswith("/int8")) == ["w1/int8", "w2/int8"]
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = rng.standard_normal((5, 16)).astype(np.float32)
     x[3] = 0
