@@ -3,6 +3,7 @@ reconfiguration, the load tester against it, and last the drain on shutdown (tes
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -65,15 +66,26 @@ def test_reconfigure_is_live(client, server):
     from ray import serve
     from serving.server.launch import start
 
-    handle = serve.get_deployment_handle("generate", app_name="kvserve")
-    pids = {handle.info.remote().result()["pid"] for _ in range(8)}
+    def ask_infos(n: int = 8) -> list[dict]:
+        """The replicas' info() through a handle on an event loop of its own (with Serve's throughput-optimized
+        data plane a handle's router runs on the caller's loop: it cannot be used without one)."""
+        async def ask() -> list[dict]:
+            from ray.serve.context import _get_global_client
+
+            handle = serve.get_deployment_handle("generate", app_name="kvserve")
+            out = [await handle.info.remote() for _ in range(n)]
+            await _get_global_client().shutdown_cached_handles_async()  # their routers live on this loop
+            return out
+        return asyncio.run(ask())
+
+    pids = {i["pid"] for i in ask_infos()}
     raw = json.loads(json.dumps(server["raw"]))
     dep = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "generate")
     dep["user_config"].update(batching="request", max_batch_size=2)
     start(raw, timeout_s=120)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        infos = [handle.info.remote().result() for _ in range(8)]
+        infos = ask_infos()
         if all(i["live"]["batching"] == "request" for i in infos):
             break
         time.sleep(0.5)
