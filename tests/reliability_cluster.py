@@ -21,6 +21,7 @@ variable KVSERVE_RELIABILITY_OUT names a file, appended to it as JSON lines; doc
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -138,18 +139,29 @@ def handle(model: str) -> Any:
     return serve.get_deployment_handle(model, app_name=APP)
 
 
+def _infos(model: str, calls: int) -> list[dict]:
+    """`calls` answers of `ModelDeployment.info()`, through a handle on an event loop of this call's own: with
+    Serve's throughput-optimized data plane a handle's router runs on the caller's loop, so a handle cannot be
+    used from a thread without one (call this from a thread with no running loop)."""
+    async def ask() -> list[dict]:
+        from ray.serve.context import _get_global_client
+
+        h = handle(model)
+        try:
+            return [await asyncio.wait_for(h.info.remote(), 30) for _ in range(calls)]
+        finally:
+            await _get_global_client().shutdown_cached_handles_async()  # their routers live on this loop
+    return asyncio.run(ask())
+
+
 def replica_infos(model: str, calls: int = 8) -> dict[int, dict]:
     """pid -> `ModelDeployment.info()` of the replicas that answered `calls` calls (Serve routes them)."""
-    h, out = handle(model), {}
-    for _ in range(calls):
-        info = h.info.remote().result(timeout_s=30)
-        out[info["pid"]] = info
-    return out
+    return {info["pid"]: info for info in _infos(model, calls)}
 
 
 def engine_snapshot(model: str) -> dict:
     """The engine snapshot of the model's (single) replica."""
-    return handle(model).info.remote().result(timeout_s=30)["engine"]
+    return _infos(model, 1)[0]["engine"]
 
 
 def rss_mb(pid: int) -> float:
