@@ -316,13 +316,14 @@ def _wrk_phase(server: BenchServer, plan: HttpPlan, data_dir: Path) -> list[dict
         cfg = load_config(server.url, plan, data_dir, None, workload, stream)
         inputs = load_inputs(workload, data_dir)
         return [request_body(cfg, inputs, i) for i in range(1024)]
+    per_run = {name: bodies(workload, stream) for name, (_, workload, stream) in WRK_RUNS.items()}
     probe = bodies(Workload.GENERATE, True)[512:]
     runs = []
     for rnd in range(plan.closed_rounds):
         for name in (list(WRK_RUNS) if rnd % 2 == 0 else list(WRK_RUNS)[::-1]):
-            path, workload, stream = WRK_RUNS[name]
-            run_wrk(server.url, path, bodies(workload, stream), plan.concurrency, plan.warmup_s)  # warm-up
-            r = run_wrk(server.url, path, bodies(workload, stream), plan.concurrency, plan.duration_s, probe,
+            path = WRK_RUNS[name][0]
+            run_wrk(server.url, path, per_run[name], plan.concurrency, plan.warmup_s)  # warm-up
+            r = run_wrk(server.url, path, per_run[name], plan.concurrency, plan.duration_s, probe,
                         timeout_s=plan.timeout_s)
             runs.append({"phase": "wrk", "mode": name, "round": rnd, "rate": None, **r})
             print(f"bench http wrk {name:13s} r{rnd} {r['output_tokens_per_s']:7.1f} tok/s  ttft p99 "

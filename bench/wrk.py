@@ -15,6 +15,7 @@ Does not own: the server (bench/http.py), the bodies (loadtest/workloads.py).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import resource
@@ -121,13 +122,8 @@ def run_wrk(url: str, path: str, bodies: list[dict[str, Any]], connections: int,
                url]
         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         probe_ctx = TtftProbe(url, probe_bodies or [], timeout_s) if probe else None
-        if probe_ctx:
-            probe_ctx.__enter__()
-        try:
+        with probe_ctx or contextlib.nullcontext():
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + timeout_s + 30)
-        finally:
-            if probe_ctx:
-                probe_ctx.__exit__()
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     m = re.search(r"KVSERVE_WRK (\d+) (\d+) (\d+) (\d+) (\d+) (\d+)", out.stdout)
     if out.returncode != 0 or m is None:
