@@ -139,14 +139,16 @@ def handle(model: str) -> Any:
     return serve.get_deployment_handle(model, app_name=APP)
 
 
-def _infos(model: str, calls: int) -> list[dict]:
+def handle_infos(model: str, calls: int, app: str = APP) -> list[dict]:
     """`calls` answers of `ModelDeployment.info()`, through a handle on an event loop of this call's own: with
     Serve's throughput-optimized data plane a handle's router runs on the caller's loop, so a handle cannot be
     used from a thread without one (call this from a thread with no running loop)."""
     async def ask() -> list[dict]:
         from ray.serve.context import _get_global_client
 
-        h = handle(model)
+        from ray import serve
+
+        h = serve.get_deployment_handle(model, app_name=app)
         try:
             return [await asyncio.wait_for(h.info.remote(), 30) for _ in range(calls)]
         finally:
@@ -156,12 +158,12 @@ def _infos(model: str, calls: int) -> list[dict]:
 
 def replica_infos(model: str, calls: int = 8) -> dict[int, dict]:
     """pid -> `ModelDeployment.info()` of the replicas that answered `calls` calls (Serve routes them)."""
-    return {info["pid"]: info for info in _infos(model, calls)}
+    return {info["pid"]: info for info in handle_infos(model, calls)}
 
 
 def engine_snapshot(model: str) -> dict:
     """The engine snapshot of the model's (single) replica."""
-    return _infos(model, 1)[0]["engine"]
+    return handle_infos(model, 1)[0]["engine"]
 
 
 def rss_mb(pid: int) -> float:

@@ -3,7 +3,6 @@ reconfiguration, the load tester against it, and last the drain on shutdown (tes
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from integration_cluster import ROOT, metric, settled_metrics, wait_metric
+from reliability_cluster import handle_infos
 
 pytestmark = pytest.mark.slow
 
@@ -63,29 +63,16 @@ def test_trained_bundle_chrf_over_http_equals_evaluate(server):
 
 # -- live reconfiguration (it changes the deployed config: only order-tolerant tests follow) ------------------
 def test_reconfigure_is_live(client, server):
-    from ray import serve
     from serving.server.launch import start
 
-    def ask_infos(n: int = 8) -> list[dict]:
-        """The replicas' info() through a handle on an event loop of its own (with Serve's throughput-optimized
-        data plane a handle's router runs on the caller's loop: it cannot be used without one)."""
-        async def ask() -> list[dict]:
-            from ray.serve.context import _get_global_client
-
-            handle = serve.get_deployment_handle("generate", app_name="kvserve")
-            out = [await handle.info.remote() for _ in range(n)]
-            await _get_global_client().shutdown_cached_handles_async()  # their routers live on this loop
-            return out
-        return asyncio.run(ask())
-
-    pids = {i["pid"] for i in ask_infos()}
+    pids = {i["pid"] for i in handle_infos("generate", 8, app="kvserve")}
     raw = json.loads(json.dumps(server["raw"]))
     dep = next(d for d in raw["applications"][0]["deployments"] if d["name"] == "generate")
     dep["user_config"].update(batching="request", max_batch_size=2)
     start(raw, timeout_s=120)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        infos = ask_infos()
+        infos = handle_infos("generate", 8, app="kvserve")
         if all(i["live"]["batching"] == "request" for i in infos):
             break
         time.sleep(0.5)
