@@ -75,14 +75,14 @@ def _translate_table(b: dict[str, Any], precision: str) -> list[str]:
            f"{b.get('ct2_compute_type', 'float32')}; the converter's own check: "
            f"{b['conversion'].get('greedy_identical')} identical to PyTorch).", "",
            "| C = batch | ours sent/s | CT2 sent/s | ours / CT2 | ours tok/s | CT2 tok/s | ours p50 | CT2 p50 | "
-           "ours p99 | CT2 p99 | identical outputs |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "ours p99 | CT2 p99 | ours rows/step | identical outputs |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in b["rows"]:
         o, c = r["ours"], r["ct2"]
         out.append(f"| {r['concurrency']} | {o['sentences_per_s']:.1f} | {c['sentences_per_s']:.1f} | "
                    f"{x(r['throughput_ratio'])} | {o['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} | "
                    f"{t(o['latency_p50_s'])} | {t(c['latency_p50_s'])} | {t(o['latency_p99_s'])} | "
-                   f"{t(c['latency_p99_s'])} | {100 * r['identical']:.1f}% |")
+                   f"{t(c['latency_p99_s'])} | {_rows(o)} | {100 * r['identical']:.1f}% |")
     out += ["", translate_reading(b)]
     if b["rows"][0].get("chrf_ours") is not None:
         out.append(f"chrF against the test-split references: ours {b['rows'][0]['chrf_ours']}, "
@@ -90,6 +90,10 @@ def _translate_table(b: dict[str, Any], precision: str) -> list[str]:
     out.append("Our outputs are " + ("the same" if b.get("ours_batch_invariant") else "**not** all the same")
                + " at every concurrency (batching does not change a greedy translation).")
     return out + [""]
+
+
+def _rows(o: dict[str, Any]) -> str:
+    return f"{o['rows_per_step']:.1f}" if o.get("rows_per_step") is not None else "-"
 
 
 def render_translate(b: dict[str, Any]) -> list[str]:
@@ -102,7 +106,8 @@ def render_translate(b: dict[str, Any]) -> list[str]:
             f"per-row activation scales: batch-invariant). {b['source']}. Greedy, at most {b['max_new_tokens']} "
             f"output tokens, {b['threads']} intra-op thread(s) each. Ours: concurrency C = C clients in a closed loop "
             f"on the continuous-batching engine, in-process. CTranslate2: `Translator.translate_batch` on "
-            f"consecutive chunks of C sentences (batch = C); each sentence's latency is its chunk's. Systems "
+            f"consecutive chunks of C sentences (batch = C); each sentence's latency is its chunk's. Ours rows/step: "
+            f"the engine's mean rows per step (decoding rows and joiners' first rows). Systems "
             f"alternated, medians of {b['rounds']} round(s).", ""]
     for precision, r in translate_pairs(b):
         out += _translate_table(r, precision)

@@ -57,17 +57,21 @@ class RunResult:
     outputs: list[list[int]]  # token ids per sentence, without bos/eos
     latencies: list[float]
     wall_s: float
+    rows_per_step: float | None = None  # ours: the engine's mean rows per step over the run
 
     def summary(self) -> dict[str, float]:
         tokens = sum(len(o) for o in self.outputs)
-        return {"sentences_per_s": len(self.outputs) / self.wall_s, "tokens_per_s": tokens / self.wall_s,
+        out = {"rows_per_step": self.rows_per_step} if self.rows_per_step is not None else {}
+        return {**out, "sentences_per_s": len(self.outputs) / self.wall_s, "tokens_per_s": tokens / self.wall_s,
                 "latency_p50_s": float(np.percentile(self.latencies, 50)),
                 "latency_p99_s": float(np.percentile(self.latencies, 99)), "wall_s": self.wall_s,
                 "output_tokens": tokens}
 
 
-async def run_ours(engine: Any, sources: list[list[int]], concurrency: int, max_new: int, tag: str) -> RunResult:
-    """Closed loop: `concurrency` clients over the sentences, greedy, continuous batching."""
+async def run_ours(engine: Any, sources: list[list[int]], concurrency: int, max_new: int, tag: str,
+                   steps: list[int] | None = None) -> RunResult:
+    """Closed loop: `concurrency` clients over the sentences, greedy, continuous batching. `steps`: the rows of
+    every engine step (an observer appends them), for the run's mean rows per step."""
     from serving.engine.types import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
@@ -86,9 +90,12 @@ async def run_ours(engine: Any, sources: list[list[int]], concurrency: int, max_
                     raise RuntimeError(f"engine failed on sentence {i}: {ev.error}")
             latencies[i] = time.perf_counter() - t0
 
+    first_step = len(steps) if steps is not None else 0
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return RunResult(outputs, latencies, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    rows = steps[first_step:] if steps is not None else []
+    return RunResult(outputs, latencies, wall, sum(rows) / len(rows) if rows else None)
 
 
 def run_ct2(translator: Any, sources: list[list[str]], vocab: dict[str, int], batch: int, max_new: int) -> RunResult:
@@ -143,6 +150,8 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
     compute_type = {"fp32": "float32"}.get(ct2_compute_type, ct2_compute_type)
     translator = ctranslate2.Translator(str(ct2_dir), device="cpu", intra_threads=threads, inter_threads=1,
                                         compute_type=compute_type)
+    steps: list[int] = []
+    engine.add_observer(lambda s: steps.append(s.batch_size), None)
     await engine.start()
     try:
         warm = min(len(src_ids), 8)  # warm both up (thread pools, first allocations) before timing
@@ -157,7 +166,7 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
                 order = ("ours", "ct2") if rnd % 2 == 0 else ("ct2", "ours")
                 for system in order:
                     if system == "ours":
-                        ours.append(await run_ours(engine, src_ids, c, max_new, f"c{c}-r{rnd}"))
+                        ours.append(await run_ours(engine, src_ids, c, max_new, f"c{c}-r{rnd}", steps))
                     else:
                         theirs.append(run_ct2(translator, src_tokens, vocab, c, max_new))
             first = first if first is not None else ours[0].outputs
