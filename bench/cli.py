@@ -61,6 +61,7 @@ class BenchPlan:
     engine_rounds: int = 3
     engine_requests_per_client: int = 6
     engine_min_new: int = 8
+    engine_temperature: float = 1.0  # sampled, seeded, as the HTTP section's requests (HttpPlan.temperature)
     engine_max_new: int = 128
     engine_all_cores: bool = True  # the engine benchmark once more with every core as ORT threads
     translate_sentences: int = 160
@@ -173,7 +174,8 @@ def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
         args = [_rel(art.require_bundle("generate")), "--out", _rel(engine_json), "--concurrency",
                 *map(str, plan.engine_concurrency), "--rounds", str(plan.engine_rounds), "--requests-per-client",
                 str(plan.engine_requests_per_client), "--min-new", str(plan.engine_min_new), "--max-new",
-                str(plan.engine_max_new), "--provider", "cpu", "--threads", str(threads)]
+                str(plan.engine_max_new), "--provider", "cpu", "--threads", str(threads),
+                "--temperature", f"{plan.engine_temperature:g}"]
         _run([sys.executable, "-m", "bench.engine", *args], ["python", "-m", "bench.engine", *args],
              commands)
         out[key] = json.loads(engine_json.read_text())

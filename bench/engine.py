@@ -81,7 +81,8 @@ class Recorder:
 
 
 async def run_once(engine: Engine, rec: Recorder, mode: BatchingMode, concurrency: int,
-                   work: list[tuple[list[int], int]], batch_wait_s: float, tag: str) -> dict:
+                   work: list[tuple[list[int], int]], batch_wait_s: float, tag: str, temperature: float = 0.0) -> dict:
+    """One closed-loop run; temperature 0: greedy, else sampled with a seed per request (as the HTTP runs)."""
     engine.reconfigure(engine.config.model_copy(update={
         "batching": mode, "max_batch_size": concurrency, "batch_wait_timeout_s": batch_wait_s}))
     rec.reset()
@@ -94,7 +95,9 @@ async def run_once(engine: Engine, rec: Recorder, mode: BatchingMode, concurrenc
         while queue:
             prompt, n = queue.pop()
             rid = f"{tag}-{len(queue)}"
-            h = engine.submit(GenerationRequest(rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=temperature,
+                                    seed=len(queue) if temperature > 0 else None)
+            h = engine.submit(GenerationRequest(rid, prompt, params))
             async for event in h:
                 if event.token_id is not None:
                     token_times.append(time.perf_counter())
@@ -217,7 +220,8 @@ async def bench(args: argparse.Namespace) -> dict:
             for mode in order:
                 if mode.value not in args.modes:
                     continue
-                r = await run_once(engine, rec, mode, c, work, args.batch_wait_s, f"{mode.value}-{c}-{rnd}")
+                r = await run_once(engine, rec, mode, c, work, args.batch_wait_s, f"{mode.value}-{c}-{rnd}",
+                                  args.temperature)
                 r["round"] = rnd
                 runs.append(r)
                 print(f"round {rnd} c={c:3d} {mode.value:10s} {r['busy_tokens_per_s']:8.0f} tok/s  "
@@ -228,7 +232,7 @@ async def bench(args: argparse.Namespace) -> dict:
                                                    ("arch", "d_model", "n_decoder_layers", "vocab_size", "max_len")},
             "provider": getattr(engine.runtime, "provider", "?"), "threads": args.threads, "slots": slots,
             "decoder_graph": getattr(engine.runtime, "decoder_graph", "decoder"),
-            "rounds": args.rounds, "min_new": args.min_new, "max_new": args.max_new,
+            "rounds": args.rounds, "min_new": args.min_new, "max_new": args.max_new, "temperature": args.temperature,
             "requests_per_client": args.requests_per_client, "batch_wait_s": args.batch_wait_s,
             "max_tokens_per_step": args.max_tokens_per_step,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -248,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--slots", type=int, help="KV slots in the pool (default: the largest concurrency)")
     p.add_argument("--batch-wait-s", type=float, default=0.01)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; > 0: sampled at this temperature, a seed per request (the HTTP runs sample at 1)")
     p.add_argument("--max-tokens-per-step", type=int, default=2048)
     p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default: the runtime's)")

@@ -207,7 +207,7 @@ def inprocess_tokens_per_s(bundle: Path, work: Path, tokens: int = TOKENS) -> fl
     out = work / "engine.json"
     bench_engine.main([str(bundle), "--concurrency", str(CLIENTS), "--modes", "continuous", "--rounds", "2",
                        "--min-new", str(tokens), "--max-new", str(tokens), "--slots", str(CLIENTS),
-                       "--threads", "1", "--out", str(out)])
+                       "--threads", "1", "--temperature", "1", "--out", str(out)])  # sampled, as the HTTP runs
     return float(json.loads(out.read_text())["summary"][0]["busy_tokens_per_s"])  # steady state, as bench.engine reports
 
 

@@ -30,13 +30,20 @@ def render_inprocess(b: dict[str, Any]) -> list[str]:
         if task in b["step"]:
             out += [step_markdown(b["step"][task]), ""]
     out += ["### Engine in-process: continuous vs request-level vs no batching", "",
-            "The same engine and workload, no HTTP (bench/engine.py, closed loop, modes alternated).", "",
+            "The same engine and workload, no HTTP (bench/engine.py, closed loop, modes alternated; "
+            + _sampling(b["engine"]) + ").", "",
             engine_markdown(b["engine"]), ""]
     if "engine_all_cores" in b:
         out += [f"The same benchmark with every core of this machine as ONNX Runtime threads "
                 f"({b['engine_all_cores'].get('threads')}), the same for every mode:", "",
                 engine_markdown(b["engine_all_cores"]), ""]
     return out + _commands(b)
+
+
+def _sampling(doc: dict[str, Any]) -> str:
+    t = doc.get("temperature") or 0.0
+    return (f"tokens sampled at temperature {t:g} with a seed per request, as the HTTP runs sample them" if t > 0
+            else "greedy tokens")
 
 
 def engine_reading(doc: dict[str, Any]) -> str | None:

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from serving.engine.sampling import (apply_repetition_penalty, filter_top_k_top_p, greedy, is_plain_greedy,
-                              make_generator, sample_row)
+                                     is_plain_sampling, make_generator, sample_plain, sample_row)
 from serving.engine.types import SamplingParams
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -92,3 +92,45 @@ def test_one_uniform_draw_per_token_whatever_the_filter():
         rng = make_generator(3)
         sample_row(logits, params, rng, EMPTY)
         assert rng.random() == make_generator(3).random(2)[1]
+
+
+def _exact_inverse_cdf(row: np.ndarray, temperature: float, u: float) -> int:
+    x = row.astype(np.float64) / temperature
+    cdf = np.cumsum(np.exp(x - x.max()))
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), row.shape[0] - 1))
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 64, 65, 8000])
+def test_sample_plain_inverts_the_cdf_row_by_row_whatever_the_batch(vocab):
+    rs = np.random.RandomState(vocab)
+    n = 17
+    logits = (rs.randn(n, vocab) * 4).astype(np.float32)
+    if vocab > 3:
+        logits[:, rs.randint(0, vocab, 5)] = -np.inf  # banned ids
+    temps, u = rs.choice([0.3, 1.0, 1.7], n), rs.rand(n)
+    got = sample_plain(logits, temps, u)
+    assert got.dtype == np.int64 and got.shape == (n,)
+    for i in range(n):
+        assert np.isfinite(logits[i, got[i]])  # never a token of zero probability
+        assert sample_plain(logits[i:i + 1], temps[i:i + 1], u[i:i + 1])[0] == got[i]  # batch-invariant
+    exact = [_exact_inverse_cdf(logits[i], temps[i], u[i]) for i in range(n)]
+    assert np.mean(got == np.array(exact)) >= 0.9  # float32 exponentials: a draw on a boundary may differ
+
+
+def test_sample_plain_draws_the_softmax_distribution_and_never_a_zero_probability_tail():
+    probs = np.array([0.5, 0.3, 0.2] + [0.0] * 125)
+    with np.errstate(divide="ignore"):
+        logits = np.log(probs).astype(np.float32)
+    n = 40_000
+    got = sample_plain(np.repeat(logits[None], n, 0), np.ones(n), make_generator(0).random(n))
+    freq = np.bincount(got, minlength=probs.size) / n
+    assert np.abs(freq[:3] - probs[:3]).max() < 0.01 and freq[3:].sum() == 0
+    # u just below 1 lands on the last token with mass, not on the zero tail past it
+    assert sample_plain(logits[None], np.ones(1), np.array([np.nextafter(1.0, 0)]))[0] == 2
+
+
+def test_plain_sampling_is_temperature_alone():
+    assert is_plain_sampling(SamplingParams(temperature=0.7))
+    for p in (SamplingParams(), SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=0.7, repetition_penalty=1.1), SamplingParams(temperature=0.7, beam_size=2)):
+        assert not is_plain_sampling(p)

@@ -17,7 +17,7 @@ import numpy as np
 from serving.engine.beam import BeamSearch
 from serving.engine.config import EngineConfig
 from serving.engine.runner import RequestState
-from serving.engine.sampling import is_plain_greedy, make_generator
+from serving.engine.sampling import is_plain_greedy, is_plain_sampling, make_generator
 from serving.engine.types import GenerationRequest, InvalidRequest, SamplingParams
 
 
@@ -112,7 +112,7 @@ def check_request(req: GenerationRequest, lim: RequestLimits) -> RequestState:
     end_ids = frozenset(p.stop_token_ids) | ({lim.eos_id} if not p.ignore_eos else set())
     source = [int(i) for i in ids] if lim.is_encoder_decoder else []
     state = RequestState(req=req, handle=None, decoder_prompt=decoder_prompt, source=source, end_ids=end_ids,
-                         plain=is_plain_greedy(p))
+                         plain=is_plain_greedy(p), sampled=is_plain_sampling(p))
     if p.beam_size > 1:
         state.beam = BeamSearch(p.beam_size, p.max_new_tokens, end_ids, p.length_penalty, p.n_best, lim.banned_ids)
     elif not state.plain:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol, Sequence as Seq
 import numpy as np
 
 from serving.engine.beam import BeamSearch
-from serving.engine.sampling import greedy, sample_row
+from serving.engine.sampling import greedy, sample_plain, sample_row
 from serving.engine.scheduler import Chunk, Phase, Sequence, StepPlan
 from serving.engine.types import GenerationRequest
 
@@ -51,6 +51,7 @@ class RequestState:
     source: list[int]  # encoder-decoder: the source sentence; decoder-only: []
     end_ids: frozenset[int]
     plain: bool  # plain greedy: the batched argmax is its token
+    sampled: bool = False  # plain temperature sampling: the step's batched sample_plain gives its token
     rng: np.random.Generator | None = None
     beam: BeamSearch | None = None
     beam_tokens: np.ndarray | None = None  # each beam's newest token (fed at the next step)
@@ -174,6 +175,8 @@ class StepRunner:
     def _pick_decode(self, logits: np.ndarray, rows: list[Sequence], out: StepResult) -> None:
         raw = self._ban(logits)
         tokens = greedy(logits)  # (D,): every plain-greedy row is done here, in one call
+        _sample_rows(logits, tokens, [(r, s.payload) for r, s in enumerate(rows)
+                                      if s.phase != Phase.HELD and s.payload.sampled])
         for r, seq in enumerate(rows):
             if seq.phase == Phase.HELD:
                 continue
@@ -183,7 +186,7 @@ class StepRunner:
                     self._advance_beam(seq, self._raw_rows(logits, raw, seq.slots))
                     out.beams.append(seq)
                 continue
-            if not st.plain:
+            if not st.plain and not st.sampled:
                 tokens[r] = sample_row(logits[r], st.req.params, st.rng, st.history())
             out.tokens.append((seq, int(tokens[r])))
         self.last[: len(rows)] = tokens  # held rows (static batch) feed junk, which nothing reads
@@ -224,6 +227,12 @@ class StepRunner:
     def _pick_prefill(self, logits: np.ndarray, start: int, chunks: list[Chunk], out: StepResult) -> None:
         raw = self._ban(logits)
         tokens = greedy(logits)
+        firsts, r = [], 0  # each chunk's first row
+        for c in chunks:
+            firsts.append(r)
+            r += c.seq.width
+        _sample_rows(logits, tokens, [(r, c.seq.payload) for r, c in zip(firsts, chunks)
+                                      if c.completes and c.seq.payload.sampled])
         r = 0
         for c in chunks:
             seq, st = c.seq, c.seq.payload
@@ -234,8 +243,19 @@ class StepRunner:
                     self.last[start + r: start + r + seq.width] = st.beam_tokens
                     out.beams.append(seq)
                 else:
-                    tok = int(tokens[r]) if st.plain else sample_row(logits[r], st.req.params, st.rng,
-                                                                     st.history())
+                    tok = int(tokens[r]) if st.plain or st.sampled else sample_row(logits[r], st.req.params,
+                                                                                   st.rng, st.history())
                     self.last[start + r] = tok
                     out.tokens.append((seq, tok))
             r += seq.width
+
+
+def _sample_rows(logits: np.ndarray, tokens: np.ndarray, rows: list[tuple[int, RequestState]]) -> None:
+    """tokens[r] for every plain-sampling row r, in one batched call (each request draws one uniform from its
+    own generator, so its tokens do not depend on its batch-mates)."""
+    if not rows:
+        return
+    idx = np.fromiter((r for r, _ in rows), dtype=np.int64, count=len(rows))
+    temps = np.fromiter((st.req.params.temperature for _, st in rows), dtype=np.float64, count=len(rows))
+    draws = np.fromiter((st.rng.random() for _, st in rows), dtype=np.float64, count=len(rows))
+    tokens[idx] = sample_plain(logits[idx], temps, draws)
