@@ -175,7 +175,7 @@ def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
                 *map(str, plan.engine_concurrency), "--rounds", str(plan.engine_rounds), "--requests-per-client",
                 str(plan.engine_requests_per_client), "--min-new", str(plan.engine_min_new), "--max-new",
                 str(plan.engine_max_new), "--provider", "cpu", "--threads", str(threads),
-                "--temperature", f"{plan.engine_temperature:g}"]
+                "--temperature", f"{plan.engine_temperature:g}", "--data-dir", _rel(art.data)]
         _run([sys.executable, "-m", "bench.engine", *args], ["python", "-m", "bench.engine", *args],
              commands)
         out[key] = json.loads(engine_json.read_text())

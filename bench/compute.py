@@ -194,7 +194,7 @@ def step_scaling_of(bundle: Path, rows: list[int], contexts: list[int], threads:
     return step_scaling(_cpu_runtime(bundle, max(rows), threads), sorted(set(rows)), contexts)
 
 
-BENCH_ENGINE_MEAN_PROMPT = 15  # bench/engine.py prompts: bos + 4..24 random tokens
+BENCH_ENGINE_MEAN_PROMPT = 15  # bench/engine.py's random prompts: bos + 4..24 tokens (JSON without mean_prompt_tokens)
 
 
 def engine_best(engine_doc: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +204,8 @@ def engine_best(engine_doc: dict[str, Any], cfg: dict[str, Any]) -> dict[str, An
     best = max(rows, key=lambda r: r["busy_tokens_per_s"])
     n = best["concurrency"] * engine_doc["requests_per_client"]
     outs = np.linspace(engine_doc["min_new"], engine_doc["max_new"], n).round().astype(int)
-    per_token = workload_flops(cfg, [(BENCH_ENGINE_MEAN_PROMPT, int(o)) for o in outs]) / int(outs.sum())
+    prompt = round(engine_doc.get("mean_prompt_tokens", BENCH_ENGINE_MEAN_PROMPT))
+    per_token = workload_flops(cfg, [(prompt, int(o)) for o in outs]) / int(outs.sum())
     return {"concurrency": best["concurrency"], "rows_per_step": best["mean_rows_per_step"],
             "tokens_per_s": best["busy_tokens_per_s"], "flops_per_token": per_token,
             "flops_per_s": per_token * best["busy_tokens_per_s"]}

@@ -50,18 +50,42 @@ if TYPE_CHECKING:
 MODES = (BatchingMode.CONTINUOUS, BatchingMode.REQUEST, BatchingMode.NONE)
 
 
-def workload(n: int, engine: Engine, min_new: int, max_new: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """n (prompt ids, output length): prompts of 4-24 tokens, output lengths evenly spread, shuffled."""
+def workload(n: int, engine: Engine, min_new: int, max_new: int, seed: int = 0,
+             prompts: list[list[int]] | None = None) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length): output lengths evenly spread, shuffled; prompts drawn from `prompts`
+    (token ids, e.g. `text_prompts`) or, without them, random ids, 4-24 tokens."""
     rng = np.random.default_rng(seed)
     lengths = np.linspace(min_new, max_new, n).round().astype(int)
     rng.shuffle(lengths)
     out = []
     for length in lengths:
-        body = [int(x) for x in rng.integers(4, engine.vocab_size, size=int(rng.integers(4, 25)))]
+        if prompts:
+            body = prompts[int(rng.integers(len(prompts)))]
+        else:
+            body = [int(x) for x in rng.integers(4, engine.vocab_size, size=int(rng.integers(4, 25)))]
         prompt = body if engine.is_encoder_decoder else [engine.runtime.bos_id] + body
         room = engine.max_len - (1 if engine.is_encoder_decoder else len(prompt)) + 1
         out.append((prompt, int(min(length, room))))
     return out
+
+
+def text_prompts(bundle: Path, data_dir: Path) -> tuple[list[list[int]], str]:
+    """The HTTP load's prompts (loadtest/workloads.py: test-split prompts for a generation bundle, source
+    sentences for a translation one), as the bundle's tokenizer encodes them: the same requests in-process."""
+    from export.bundle import load_bundle
+    from loadtest.workloads import Workload, load_inputs
+
+    b = load_bundle(bundle)
+    tok = b.load_tokenizer()
+    inputs = load_inputs(Workload.TRANSLATE if b.is_encoder_decoder else Workload.GENERATE, data_dir)
+    return [ids for ids in (tok.encode(t) for t in inputs.texts) if ids], inputs.source
+
+
+def _mean_prompt(engine: Engine, prompts: list[list[int]] | None) -> float:
+    """The mean prompt length `workload` draws, bos included (decoder-only): what FLOPs per token count."""
+    if not prompts:
+        return 15.0 if not engine.is_encoder_decoder else 14.0  # bos + 4..24 random tokens (mean 14)
+    return float(np.mean([len(p) for p in prompts])) + (0 if engine.is_encoder_decoder else 1)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -209,13 +233,14 @@ async def bench(args: argparse.Namespace) -> dict:
     runtime = ModelRuntime(load_bundle(args.bundle), n_slots=slots, provider=args.provider,
                            intra_op_threads=args.threads, decoder_graph=args.decoder_graph)
     engine = Engine(runtime, cfg)
+    prompts, prompt_source = text_prompts(args.bundle, args.data_dir) if args.data_dir else (None, None)
     await engine.start()
     rec = Recorder(engine)
     await run_once(engine, rec, BatchingMode.CONTINUOUS, slots, workload(slots, engine, 4, 8, seed=99), 0.0, "warm")
     runs = []
     for rnd in range(args.rounds):
         for c in args.concurrency:
-            work = workload(c * args.requests_per_client, engine, args.min_new, args.max_new, seed=c)
+            work = workload(c * args.requests_per_client, engine, args.min_new, args.max_new, seed=c, prompts=prompts)
             order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))
             for mode in order:
                 if mode.value not in args.modes:
@@ -233,6 +258,8 @@ async def bench(args: argparse.Namespace) -> dict:
             "provider": getattr(engine.runtime, "provider", "?"), "threads": args.threads, "slots": slots,
             "decoder_graph": getattr(engine.runtime, "decoder_graph", "decoder"),
             "rounds": args.rounds, "min_new": args.min_new, "max_new": args.max_new, "temperature": args.temperature,
+            "prompts": prompt_source or "random ids, 4-24 tokens",
+            "mean_prompt_tokens": _mean_prompt(engine, prompts),
             "requests_per_client": args.requests_per_client, "batch_wait_s": args.batch_wait_s,
             "max_tokens_per_step": args.max_tokens_per_step,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -252,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--slots", type=int, help="KV slots in the pool (default: the largest concurrency)")
     p.add_argument("--batch-wait-s", type=float, default=0.01)
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="prompts from this prepared data (the HTTP load's own, loadtest/workloads.py) instead of "
+                        "random ids of 4-24 tokens")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; > 0: sampled at this temperature, a seed per request (the HTTP runs sample at 1)")
     p.add_argument("--max-tokens-per-step", type=int, default=2048)

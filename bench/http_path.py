@@ -200,14 +200,15 @@ def http_runs(bundle: Path, data_dir: Path, interval_s: float, seconds: float, w
     return out
 
 
-def inprocess_tokens_per_s(bundle: Path, work: Path, tokens: int = TOKENS) -> float:
-    """The engine alone, in this process (bench/engine.py): 32 clients, 32 slots, 1 thread, 64 tokens each."""
+def inprocess_tokens_per_s(bundle: Path, work: Path, data_dir: Path, tokens: int = TOKENS) -> float:
+    """The engine alone, in this process (bench/engine.py): 32 clients, 32 slots, 1 thread, 64 tokens each, the
+    HTTP runs' prompts, sampled at temperature 1 with a seed per request as they are."""
     import bench.engine as bench_engine
 
     out = work / "engine.json"
     bench_engine.main([str(bundle), "--concurrency", str(CLIENTS), "--modes", "continuous", "--rounds", "2",
                        "--min-new", str(tokens), "--max-new", str(tokens), "--slots", str(CLIENTS),
-                       "--threads", "1", "--temperature", "1", "--out", str(out)])  # sampled, as the HTTP runs
+                       "--threads", "1", "--temperature", "1", "--data-dir", str(data_dir), "--out", str(out)])  # the HTTP runs' requests
     return float(json.loads(out.read_text())["summary"][0]["busy_tokens_per_s"])  # steady state, as bench.engine reports
 
 
@@ -254,10 +255,10 @@ def run(bundle: Path, data_dir: Path, seconds: float, servers: list[tuple[str, s
         intervals: list[float] = (0.0,), profile_dir: Path | None = None, tokens: int = TOKENS) -> dict[str, Any]:
     """Every (data plane, placement) server in turn, both APIs each; the engine in-process before and after."""
     work.mkdir(parents=True, exist_ok=True)
-    inproc = [inprocess_tokens_per_s(bundle, work, tokens)]
+    inproc = [inprocess_tokens_per_s(bundle, work, data_dir, tokens)]
     runs = [r for plane, placement in servers for s in intervals
             for r in http_runs(bundle, data_dir, s, seconds, work, placement, profile_dir, plane, tokens)]
-    inproc.append(inprocess_tokens_per_s(bundle, work, tokens))
+    inproc.append(inprocess_tokens_per_s(bundle, work, data_dir, tokens))
     failed = [f"{r['data_plane']}/{r['placement']} {r['run']}: {r['errors']}" for r in runs if not r["succeeded"]]
     if failed:
         raise RuntimeError("runs with no successful request: " + "; ".join(failed))

@@ -42,8 +42,8 @@ def render_inprocess(b: dict[str, Any]) -> list[str]:
 
 def _sampling(doc: dict[str, Any]) -> str:
     t = doc.get("temperature") or 0.0
-    return (f"tokens sampled at temperature {t:g} with a seed per request, as the HTTP runs sample them" if t > 0
-            else "greedy tokens")
+    tokens = f"tokens sampled at temperature {t:g} with a seed per request" if t > 0 else "greedy tokens"
+    return f"prompts: {doc.get('prompts', 'random ids, 4-24 tokens')}; {tokens}"
 
 
 def engine_reading(doc: dict[str, Any]) -> str | None:

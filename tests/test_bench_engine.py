@@ -45,3 +45,29 @@ def test_step_scaling_rejects_contexts_beyond_the_cache(capsys):
     with pytest.raises(SystemExit):
         main([str(bundle), "--step-scaling", "--rows", "1", "--contexts", "100000"])
     assert "contexts in [1," in capsys.readouterr().err
+
+
+def test_sampled_run_on_the_http_loads_prompts_records_them_and_their_length(tmp_path):
+    """--data-dir: the prompts the HTTP load sends (the built-in texts when the data is not prepared), tokenized
+    by the bundle; --temperature: seeded sampling; both recorded, with the mean prompt length FLOPs count."""
+    from bench.compute import engine_best
+    from bench.engine import text_prompts
+    from export.bundle import load_bundle
+    from loadtest.workloads import Workload, load_inputs
+
+    bundle, _ = cached_bundle("generate")
+    prompts, source = text_prompts(bundle, tmp_path / "no-data")
+    tok = load_bundle(bundle).load_tokenizer()
+    texts = load_inputs(Workload.GENERATE, tmp_path / "no-data").texts
+    assert prompts == [ids for ids in (tok.encode(t) for t in texts) if ids] and source
+    out = tmp_path / "bench.json"
+    assert main([str(bundle), "--out", str(out), "--concurrency", "2", "--rounds", "1", "--modes", "continuous",
+                 "--requests-per-client", "2", "--min-new", "4", "--max-new", "8", "--temperature", "1",
+                 "--data-dir", str(tmp_path / "no-data")]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["temperature"] == 1.0 and doc["prompts"] == source
+    assert doc["mean_prompt_tokens"] == pytest.approx(np.mean([len(p) for p in prompts]) + 1)
+    assert doc["runs"][0]["tokens"] == int(np.linspace(4, 8, 4).round().sum())
+    cfg = load_bundle(bundle).model_config
+    longer = engine_best({**doc, "mean_prompt_tokens": doc["mean_prompt_tokens"] + 20}, cfg)
+    assert longer["flops_per_token"] > engine_best(doc, cfg)["flops_per_token"]  # prefill and context count
