@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -266,7 +266,16 @@ async def bench(args: argparse.Namespace) -> dict:
             "runs": runs, "summary": summarize(runs)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def bench_args(bundle: Path, **overrides: Any) -> argparse.Namespace:
+    """The command line's arguments with its defaults, for callers that run `bench` themselves."""
+    args = parser().parse_args([str(bundle)])
+    unknown = set(overrides) - set(vars(args))
+    if unknown:
+        raise TypeError(f"bench.engine has no arguments {sorted(unknown)}")
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
     p.add_argument("bundle", nargs="?", type=Path, help="model bundle directory")
     p.add_argument("--out", type=Path, help="write the results here (JSON)")
@@ -294,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 27], help="--step-scaling: batch sizes")
     p.add_argument("--contexts", type=int, nargs="+", default=[16, 48, 96, 144, 192],
                    help="--step-scaling: cached tokens per row")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.table:
         print(markdown(json.loads(args.table.read_text())))

@@ -68,9 +68,8 @@ async def engine_tokens_per_s(bundle: Path, setting: dict[str, str], concurrency
     """Steady-state tokens/s of the continuous engine under `setting`, per concurrency (bench/engine.py)."""
     import bench.engine as bench_engine
 
-    ns = argparse.Namespace(bundle=bundle, concurrency=concurrency, modes=["continuous"], requests_per_client=4,
-                            rounds=rounds, min_new=8, max_new=128, slots=32, batch_wait_s=0.01, max_tokens_per_step=2048,
-                            provider="cpu", threads=int(setting.get("threads", 1)), decoder_graph=None)
+    ns = bench_engine.bench_args(bundle, concurrency=concurrency, modes=["continuous"], requests_per_client=4,
+                                 rounds=rounds, slots=32, provider="cpu", threads=int(setting.get("threads", 1)))
     with session_options(setting):
         doc = await bench_engine.bench(ns)
     return {r["concurrency"]: r["busy_tokens_per_s"] for r in doc["summary"]}

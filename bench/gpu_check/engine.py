@@ -8,7 +8,6 @@ at once, must produce exactly the tokens and finish reasons each produces alone,
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,11 @@ INVARIANCE_VARIANT = "fp32"
 
 
 def throughput(bundle: Path, device: str, plan: Plan) -> dict[str, Any]:
-    from bench.engine import MODES, bench, markdown
+    from bench.engine import MODES, bench, bench_args, markdown
 
-    args = argparse.Namespace(
-        bundle=bundle, concurrency=list(plan.engine_concurrency), modes=[m.value for m in MODES],
-        requests_per_client=plan.engine_requests_per_client, rounds=1, min_new=plan.engine_min_new,
-        max_new=plan.engine_max_new, slots=None, batch_wait_s=0.01, max_tokens_per_step=4096, provider=device,
-        threads=None, decoder_graph=None)
+    args = bench_args(bundle, concurrency=list(plan.engine_concurrency), modes=[m.value for m in MODES],
+                      requests_per_client=plan.engine_requests_per_client, rounds=1, min_new=plan.engine_min_new,
+                      max_new=plan.engine_max_new, max_tokens_per_step=4096, provider=device)
     doc = asyncio.run(bench(args))
     return {"summary": doc["summary"], "provider": doc["provider"], "graph": doc["decoder_graph"],
             "slots": doc["slots"], "markdown": markdown(doc)}

@@ -32,6 +32,7 @@ from onnx import helper
 
 from export.bundle import Bundle, check_graph_io
 from export.contract import cross_key, cross_value, past_key, past_value, present_key, present_value
+from serving.engine.int8_fit import fit_int8_weights, int8_sums_can_overflow
 from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visible  # noqa: F401 (re-exported)
 from serving.engine.slots import SlotBuffer, slot_copy_graph, slot_place_graph
 
@@ -330,6 +331,8 @@ class ModelRuntime:
         self._bound.clear()  # their cross bindings have the old shape
 
     def _session(self, model: bytes, contract_name: str | None) -> ort.InferenceSession:
+        if self._provider == CPU_EP and contract_name is not None and int8_sums_can_overflow():
+            model = fit_int8_weights(model)  # 7-bit int8 weights where ORT's int8 sums would saturate (int8_fit.py)
         so = ort.SessionOptions()
         so.intra_op_num_threads = self._threads
         so.inter_op_num_threads = 1
