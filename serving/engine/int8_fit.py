@@ -56,14 +56,15 @@ def fit_int8_weights(model: bytes) -> bytes:
         if node.op_type != "MatMulIntegerToFloat" or len(node.input) < 4:
             continue
         w, scale = inits.get(node.input[1]), inits.get(node.input[3])
-        if w is None or scale is None or w.data_type != onnx.TensorProto.INT8 or w.name in halved:
+        if w is None or scale is None or w.data_type != onnx.TensorProto.INT8:
             continue
-        q = numpy_helper.to_array(w)
-        if np.abs(q.astype(np.int16)).max() <= SAFE:
-            continue
-        half = np.clip(np.rint(q.astype(np.float32) / 2), -SAFE, SAFE).astype(np.int8)
-        w.CopyFrom(numpy_helper.from_array(half, w.name))
-        if scale.name not in halved:
+        if w.name not in halved:
+            q = numpy_helper.to_array(w)
+            if np.abs(q.astype(np.int16)).max() <= SAFE:
+                continue
+            half = np.clip(np.rint(q.astype(np.float32) / 2), -SAFE, SAFE).astype(np.int8)
+            w.CopyFrom(numpy_helper.from_array(half, w.name))
+        if scale.name not in halved:  # a node reading a halved weight through a scale of its own doubles it too
             scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * np.float32(2), scale.name))
             halved.add(scale.name)
         halved.add(w.name)
