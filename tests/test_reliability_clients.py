@@ -10,16 +10,14 @@ docs/reliability.md.
   every KV slot is free within 2 s of the last hang-up and the engines generated less than 10% of the
   tokens asked for.
 - 200 anonymous `/metrics` per second (from a separate process) do not raise the p99 latency of
-  authenticated `/v1/generate` requests by more than 20%. The same rate of `/v2/health/live`, the cheapest
-  route, is measured in the same run (alternated), to tell the cost of the scrape from the cost of any
-  request through Ray's proxy; on a machine with few cores the second dominates and the test is an
-  expected failure there (it still reports its figures).
+  authenticated `/v1/generate` requests by more than 20%: HAProxy answers all but about one a second from
+  its cache (serving/server/launch.py `haproxy_wrapper`). The same rate of `/v2/health/live`, a cheap route
+  that every time reaches the ingress, is measured in the same run (alternated) for comparison.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -140,6 +138,8 @@ async def main(base, path, rate, seconds):
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
+                elif line.lower().startswith(b"age:"):  # answered from HAProxy's cache
+                    statuses["cached"] += 1
             await reader.readexactly(length)
             statuses[str(status)] += 1
             idle.append(conn)
@@ -225,12 +225,9 @@ def test_a_metrics_flood_does_not_slow_the_api(rel):
            flood_rates={k: [round(f["rate"], 1) for f in v] for k, v in floods.items()},
            flood_statuses={k: [f["statuses"] for f in v] for k, v in floods.items()},
            flood_client_cpu={k: [round(f["cpu_share"], 3) for f in v] for k, v in floods.items()})
-    for f in floods["/metrics"]:
-        assert f["rate"] >= 0.9 * FLOOD_RATE and set(f["statuses"]) == {"200"}, f
+    for f in floods["/metrics"]:  # answered by HAProxy's cache but for about one request a second
+        assert f["rate"] >= 0.9 * FLOOD_RATE and set(f["statuses"]) == {"200", "cached"}, f
+        assert f["statuses"]["cached"] >= 0.9 * f["statuses"]["200"], f
     # /metrics costs what any anonymous route costs: its scrape (one per TTL, shared) adds little to the flood.
     assert p99["/metrics"] <= 1.4 * p99["/v2/health/live"], p99
-    if p99["/metrics"] > 1.2 * p99["none"] and (os.cpu_count() or 1) < 8:
-        pytest.xfail(f"on {os.cpu_count()} shared cores, 200 requests/s of ANY route raise the p99 of /v1 (here "
-                     f"{p99['/v2/health/live'] / p99['none']:.2f}x under /v2/health/live, {p99['/metrics'] / p99['none']:.2f}x "
-                     f"under /metrics); the figures are reported above")
     assert p99["/metrics"] <= 1.2 * p99["none"], f"a /metrics flood raised p99 {p99['/metrics'] / p99['none']:.2f}x"

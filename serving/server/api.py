@@ -71,7 +71,7 @@ def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: st
     app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(RequestMetrics, recorder=recorder)
     install_error_handlers(app, recorder)
-    routes = _Routes(backend, limits, drain)
+    routes = _Routes(backend, limits, drain, METRICS_CACHE_CONTROL[metrics_require_key])
     app.post("/v1/translate", response_model=TranslateResponse)(routes.translate)
     app.post("/v1/generate", response_model=GenerateResponse)(routes.generate)
     app.post("/v1/completions")(routes.completions)
@@ -83,9 +83,16 @@ def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: st
     return app
 
 
+# /metrics open to anyone: a shared cache (the HAProxy in front, serving/server/launch.py) may answer it for 1 s,
+# as fresh as the backend's own scrape cache, so a flood of scrapers never reaches the ingress more than once a
+# second. Behind the key: no cache keeps or hands out an answer.
+METRICS_CACHE_CONTROL = {False: "public, max-age=1", True: "private, no-store"}
+
+
 class _Routes:
-    def __init__(self, backend: Backend, limits: Limits, drain: Drain) -> None:
+    def __init__(self, backend: Backend, limits: Limits, drain: Drain, metrics_cache_control: str) -> None:
         self.backend, self.limits, self.drain = backend, limits, drain
+        self._metrics_headers = {"Vary": "Accept-Encoding", "Cache-Control": metrics_cache_control}
         self._gzipped: tuple[str | None, bytes] = (None, b"")  # (exposition, its gzip)
 
     async def translate(self, body: TranslateRequest, request: Request, response: Response) -> dict:
@@ -194,7 +201,7 @@ class _Routes:
         """The backend's exposition (it caches it), gzipped when the client accepts it, as Prometheus does:
         ~20x fewer bytes through Ray's proxy. The gzip is made once per exposition the backend hands out."""
         text = await self.backend.metrics_text()
-        headers = {"Vary": "Accept-Encoding"}
+        headers = self._metrics_headers
         if "gzip" not in request.headers.get("accept-encoding", ""):
             return Response(text, media_type=METRICS_TYPE, headers=headers)
         if self._gzipped[0] is not text:
