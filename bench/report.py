@@ -82,14 +82,16 @@ def _translate_table(b: dict[str, Any], precision: str) -> list[str]:
            f"{b.get('ct2_compute_type', 'float32')}; the converter's own check: "
            f"{b['conversion'].get('greedy_identical')} identical to PyTorch).", "",
            "| C = batch | ours sent/s | CT2 sent/s | ours / CT2 | ours tok/s | CT2 tok/s | ours p50 | CT2 p50 | "
-           "ours p99 | CT2 p99 | ours rows/step | identical outputs |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "ours p99 | CT2 p99 | ours rows/step | ours ms/sentence: ORT decoder + encoder + rest | CT2 ms/sentence | "
+           "identical outputs |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in b["rows"]:
         o, c = r["ours"], r["ct2"]
         out.append(f"| {r['concurrency']} | {o['sentences_per_s']:.1f} | {c['sentences_per_s']:.1f} | "
                    f"{x(r['throughput_ratio'])} | {o['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} | "
                    f"{t(o['latency_p50_s'])} | {t(c['latency_p50_s'])} | {t(o['latency_p99_s'])} | "
-                   f"{t(c['latency_p99_s'])} | {_rows(o)} | {100 * r['identical']:.1f}% |")
+                   f"{t(c['latency_p99_s'])} | {_rows(o)} | {_split(o)} | {1e3 / c['sentences_per_s']:.2f} | "
+                   f"{100 * r['identical']:.1f}% |")
     out += ["", translate_reading(b)]
     if b["rows"][0].get("chrf_ours") is not None:
         out.append(f"chrF against the test-split references: ours {b['rows'][0]['chrf_ours']}, "
@@ -103,6 +105,12 @@ def _rows(o: dict[str, Any]) -> str:
     return f"{o['rows_per_step']:.1f}" if o.get("rows_per_step") is not None else "-"
 
 
+def _split(o: dict[str, Any]) -> str:
+    if o.get("ms_decoder") is None:
+        return "-"
+    return f"{o['ms_decoder']:.2f} + {o['ms_encoder']:.2f} + {o['ms_other']:.2f}"
+
+
 def render_translate(b: dict[str, Any]) -> list[str]:
     out = ["## 3. Translation: our engine vs CTranslate2 on the same weights", ""]
     if not b.get("ok"):
@@ -114,19 +122,36 @@ def render_translate(b: dict[str, Any]) -> list[str]:
             f"output tokens, {b['threads']} intra-op thread(s) each. Ours: concurrency C = C clients in a closed loop "
             f"on the continuous-batching engine, in-process. CTranslate2: `Translator.translate_batch` on "
             f"consecutive chunks of C sentences (batch = C); each sentence's latency is its chunk's. Ours rows/step: "
-            f"the engine's mean rows per step (decoding rows and joiners' first rows). Systems "
+            f"the engine's mean rows per step (decoding rows and joiners' first rows). Ours ms/sentence: the run's "
+            f"wall time per sentence split into ONNX Runtime's decoder calls, its encoder calls and the rest (the "
+            f"Python around them: scheduling, inputs, argmax, events), a clock around every ORT call "
+            f"(bench/breakdown.py); CT2 ms/sentence: its wall time per sentence. Systems "
             f"alternated, medians of {b['rounds']} round(s).", ""]
     for precision, r in translate_pairs(b):
         out += _translate_table(r, precision)
-    slower = sorted({r["concurrency"] for _, p in translate_pairs(b) for r in p["rows"] if r["throughput_ratio"] < 1})
-    if slower:
-        out += [f"Where CTranslate2 is ahead (concurrency {', '.join(map(str, slower))}): CTranslate2 runs a whole "
-                "batch's greedy loop inside one C++ call, while our engine returns to Python between steps to "
-                "schedule, choose tokens and stream each token to its request (the step-time breakdown, section 5, "
-                "shows that share), and a sentence joins a running batch alone, so its encoder runs at batch 1. "
-                "`translate_batch` offers neither continuous batching nor streaming: its batch is gathered first, "
-                "then run to its end (its latency column is the whole batch's).", ""]
+    out += _where_ct2_is_ahead(b)
     return out + _commands(b)
+
+
+def _where_ct2_is_ahead(b: dict[str, Any]) -> list[str]:
+    """Each row where CTranslate2 is faster, with our ORT time alone against CTranslate2's whole time."""
+    parts = []
+    for precision, p in translate_pairs(b):
+        for r in p["rows"]:
+            o, ct2_ms = r["ours"], 1e3 / r["ct2"]["sentences_per_s"]
+            if r["throughput_ratio"] >= 1 or o.get("ms_decoder") is None:
+                continue
+            ort, rest = o["ms_decoder"] + o["ms_encoder"], o["ms_other"]
+            where = ("already more than CTranslate2's whole time: the gap is in the kernels" if ort >= ct2_ms else
+                     f"{ct2_ms - ort:.2f} ms under it, the rest ({rest:.2f} ms) more than that")
+            parts.append(f"{precision} at {r['concurrency']}: ours {ort:.2f} ms per sentence inside ONNX Runtime, "
+                         f"CTranslate2 {ct2_ms:.2f} ms for everything ({where})")
+    if not parts:
+        return []
+    return ["Where CTranslate2 is ahead: " + "; ".join(parts) + ". `translate_batch` offers neither continuous "
+            "batching nor streaming: its batch is gathered first, then run to its end inside one C++ call (its "
+            "latency column is the whole batch's), and it encodes the whole batch at once, where a sentence joins "
+            "our running batch alone or with a few others.", ""]
 
 
 # -- 5. Step-time breakdown --------------------------------------------------------------------------------------

@@ -58,10 +58,15 @@ class RunResult:
     latencies: list[float]
     wall_s: float
     rows_per_step: float | None = None  # ours: the engine's mean rows per step over the run
+    clock: dict[str, float] | None = None  # ours: seconds in ORT per graph over the run (bench/breakdown.py)
 
     def summary(self) -> dict[str, float]:
         tokens = sum(len(o) for o in self.outputs)
         out = {"rows_per_step": self.rows_per_step} if self.rows_per_step is not None else {}
+        if self.clock is not None:  # where a sentence's time goes, ms: ORT's decoder, its encoder, all the rest
+            per = 1e3 / len(self.outputs)
+            dec, enc = self.clock["ort decoder"], self.clock["ort encoder"]
+            out |= {"ms_decoder": dec * per, "ms_encoder": enc * per, "ms_other": (self.wall_s - dec - enc) * per}
         return {**out, "sentences_per_s": len(self.outputs) / self.wall_s, "tokens_per_s": tokens / self.wall_s,
                 "latency_p50_s": float(np.percentile(self.latencies, 50)),
                 "latency_p99_s": float(np.percentile(self.latencies, 99)), "wall_s": self.wall_s,
@@ -69,9 +74,10 @@ class RunResult:
 
 
 async def run_ours(engine: Any, sources: list[list[int]], concurrency: int, max_new: int, tag: str,
-                   steps: list[int] | None = None) -> RunResult:
+                   steps: list[int] | None = None, clock: dict[str, float] | None = None) -> RunResult:
     """Closed loop: `concurrency` clients over the sentences, greedy, continuous batching. `steps`: the rows of
-    every engine step (an observer appends them), for the run's mean rows per step."""
+    every engine step (an observer appends them), for the run's mean rows per step; `clock`: the engine's ORT
+    clocks (bench/breakdown.py `instrument`), for the run's split of a sentence's time."""
     from serving.engine.types import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
@@ -91,11 +97,13 @@ async def run_ours(engine: Any, sources: list[list[int]], concurrency: int, max_
             latencies[i] = time.perf_counter() - t0
 
     first_step = len(steps) if steps is not None else 0
+    before = dict(clock) if clock is not None else None
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     rows = steps[first_step:] if steps is not None else []
-    return RunResult(outputs, latencies, wall, sum(rows) / len(rows) if rows else None)
+    spent = {k: v - before[k] for k, v in clock.items()} if clock is not None and before is not None else None
+    return RunResult(outputs, latencies, wall, sum(rows) / len(rows) if rows else None, spent)
 
 
 def run_ct2(translator: Any, sources: list[list[str]], vocab: dict[str, int], batch: int, max_new: int) -> RunResult:
@@ -134,6 +142,7 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
                    threads: int, max_new: int, ct2_compute_type: str) -> dict[str, Any]:
     import ctranslate2
 
+    from bench.breakdown import instrument
     from model.tokenizer import Tokenizer
     from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
@@ -152,6 +161,7 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
                                         compute_type=compute_type)
     steps: list[int] = []
     engine.add_observer(lambda s: steps.append(s.batch_size), None)
+    clock = instrument(engine)
     await engine.start()
     try:
         warm = min(len(src_ids), 8)  # warm both up (thread pools, first allocations) before timing
@@ -166,7 +176,7 @@ async def _compare(bundle: Path, ct2_dir: Path, sentences: Sentences, concurrenc
                 order = ("ours", "ct2") if rnd % 2 == 0 else ("ct2", "ours")
                 for system in order:
                     if system == "ours":
-                        ours.append(await run_ours(engine, src_ids, c, max_new, f"c{c}-r{rnd}", steps))
+                        ours.append(await run_ours(engine, src_ids, c, max_new, f"c{c}-r{rnd}", steps, clock))
                     else:
                         theirs.append(run_ct2(translator, src_tokens, vocab, c, max_new))
             first = first if first is not None else ours[0].outputs

@@ -77,6 +77,7 @@ def _sections() -> dict:
                  "ours_batch_invariant": True, "commands": [], "date_utc": "d", "elapsed_s": 60}
     int8_row = {**tr_row, "throughput_ratio": 1.25, "identical": 0.9,
                 "ours": {**tr_row["ours"], "sentences_per_s": 25.0, "rows_per_step": 7.3}}
+    tr_row["ours"] |= {"ms_decoder": 60.0, "ms_encoder": 20.0, "ms_other": 20.0}  # fp32's split of 100 ms
     translate["variants"] = {"int8": {**translate, "rows": [int8_row], "bundle": "b-int8", "ct2_model": "m-int8",
                                       "ct2_compute_type": "int8", "precision": "int8"}}
     compute = {"ok": True, "model_config": SMALL_LM, "bundle": "b", "threads": 2, "sweep_context": 64,
@@ -151,7 +152,10 @@ def test_doc_has_every_table_ratio_and_the_ct2_ratio_whichever_way_it_falls():
     assert "ours 0.50x CTranslate2's sentences/s (slower; CTranslate2 is 2.00x ours)" in doc
     # int8 vs int8 beside fp32 vs fp32, in the body and the summary
     assert "### int8 vs int8" in doc and "| 8 | 25.0 | 20.0 | 1.25x |" in doc
-    assert "| - | 95.0% |" in doc and "| 7.3 | 90.0% |" in doc  # ours' rows per step: unknown (fp32 fixture), 7.3
+    # ours' rows per step unknown (fp32 fixture) and 7.3; our time split (fp32) or not (int8); CT2's 50 ms each
+    assert "| - | 60.00 + 20.00 + 20.00 | 50.00 | 95.0% |" in doc and "| 7.3 | - | 50.00 | 90.0% |" in doc
+    assert ("Where CTranslate2 is ahead: fp32 at 8: ours 80.00 ms per sentence inside ONNX Runtime, CTranslate2 "
+            "50.00 ms for everything (already more than CTranslate2's whole time: the gap is in the kernels).") in doc
     assert "- Translation vs CTranslate2, int8 vs int8: Throughput at 8: ours 1.25x CTranslate2's" in doc
     # the step-time breakdown, this tree's engine beside the baseline's, and the gain in the summary
     assert "## 5. Where an engine step's time goes" in doc
@@ -293,6 +297,9 @@ def test_run_result_figures_and_identical_share():
     r = RunResult(outputs=[[1, 2], [3], [4, 5, 6]], latencies=[0.1, 0.2, 0.3], wall_s=2.0)
     s = r.summary()
     assert "rows_per_step" not in s and RunResult([[1]], [0.1], 1.0, rows_per_step=3.5).summary()["rows_per_step"] == 3.5
+    clock = {"ort decoder": 1.0, "ort encoder": 0.5}  # seconds over 3 sentences in 2 s: the rest 0.5 s
+    split = RunResult([[1, 2], [3], [4, 5, 6]], [0.1, 0.2, 0.3], 2.0, clock=clock).summary()
+    assert [split[k] for k in ("ms_decoder", "ms_encoder", "ms_other")] == pytest.approx([1e3 / 3, 500 / 3, 500 / 3])
     assert s["sentences_per_s"] == 1.5 and s["tokens_per_s"] == 3.0 and s["latency_p50_s"] == pytest.approx(0.2)
     assert identical_share([[1], [2], [3]], [[1], [9], [3]]) == pytest.approx(2 / 3)
 
