@@ -81,16 +81,24 @@ async def _one(client: httpx.AsyncClient, kind: str) -> tuple[str, float]:
 async def soak(base: str, rate: float, seconds: float, progress: bool = True) -> dict[str, Any]:
     """Open-loop Poisson arrivals at `rate`/s for `seconds`, bursts every BURST_EVERY_S; samples every SAMPLE_S."""
     rng, procs, samples, window = random.Random(0), processes(), [], []
+    done: list[tuple[float, float]] = []  # (seconds since the start, latency) of every 200
     statuses: Counter = Counter()
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
         tasks: set[asyncio.Task] = set()
 
+        def finished(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            outcome, latency = task.result()
+            statuses.update([outcome])
+            if outcome == "200":
+                window.append(latency)
+                done.append((round(time.monotonic() - t0, 2), round(latency, 4)))
+
         def launch(kind: str) -> None:
             task = asyncio.create_task(_one(client, kind))
             tasks.add(task)
-            task.add_done_callback(lambda t: (tasks.discard(t), statuses.update([t.result()[0]]),
-                                              window.append(t.result()[1]) if t.result()[0] == "200" else None))
+            task.add_done_callback(finished)
         t0 = next_sample = next_burst = time.monotonic()
         while (now := time.monotonic()) - t0 < seconds:
             launch(rng.choice(KINDS))
@@ -106,7 +114,7 @@ async def soak(base: str, rate: float, seconds: float, progress: bool = True) ->
                           f"{dict(statuses)}", end="", file=sys.stderr, flush=True)
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks, return_exceptions=True)
-    return {"samples": samples, "statuses": dict(statuses)}
+    return {"samples": samples, "statuses": dict(statuses), "latencies": done}
 
 
 def _sample(procs: dict[str, psutil.Process], t: float, window: list[float], statuses: Counter) -> dict[str, Any]:
@@ -124,8 +132,11 @@ def _sample(procs: dict[str, psutil.Process], t: float, window: list[float], sta
     return {"t": round(t, 1), "rss_mb": rss, "cpu_s": cpu, "p99_s": p99, "done": sum(statuses.values())}
 
 
-def summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
-    """RSS growth per 10 minutes after warm-up (least squares), p99 of the first and last third."""
+def summary(samples: list[dict[str, Any]], warmup_s: float,
+            latencies: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """RSS growth per 10 minutes after warm-up (least squares); p99 of the first and the last third of the time
+    after warm-up, over every request answered in it (`latencies`: (time, latency) pairs; a 10 s window holds a
+    burst or not, so its own p99 swings with the burst's phase), or without them the median window p99."""
     after = [s for s in samples if s["t"] >= warmup_s]
     growth = {}
     for role in (after[0]["rss_mb"] if after else {}):
@@ -137,14 +148,29 @@ def summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
     third = max(1, len(after) // 3)
     p99s = [s["p99_s"] for s in after if s["p99_s"] is not None]
     first, last = (sorted(p99s[:third]), sorted(p99s[-third:])) if p99s else ([], [])
-    med = (lambda xs: xs[len(xs) // 2] if xs else None)
+    p99_first, p99_last = _mid(first), _mid(last)
+    if latencies and after:
+        end = max(t for t, _ in latencies)
+        span = (end - warmup_s) / 3
+        p99_first = _p99([x for t, x in latencies if warmup_s <= t < warmup_s + span])
+        p99_last = _p99([x for t, x in latencies if t >= end - span])
     cores = {}  # each role's mean CPU after warm-up, in cores: a process spinning shows here, not in RSS
     for role in (after[0].get("cpu_s", {}) if len(after) >= 2 else {}):
         a, b = after[0]["cpu_s"].get(role), after[-1]["cpu_s"].get(role)
         if a is not None and b is not None:
             cores[role] = round((b - a) / max(1e-9, after[-1]["t"] - after[0]["t"]), 2)
-    return {"rss_growth_mb_per_10min": growth, "p99_first_third_s": med(first), "p99_last_third_s": med(last),
-            "cpu_cores": cores}
+    drift = round(p99_last / p99_first - 1, 3) if p99_first and p99_last else None
+    return {"rss_growth_mb_per_10min": growth, "p99_first_third_s": p99_first, "p99_last_third_s": p99_last,
+            "p99_drift": drift, "cpu_cores": cores}
+
+
+def _mid(xs: list[float]) -> float | None:
+    return xs[len(xs) // 2] if xs else None
+
+
+def _p99(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 4) if xs else None
 
 
 async def capacity(base: str, seconds: float = 20.0, clients: int = 32) -> float:
@@ -233,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         stop()
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
     result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2), "statuses": run["statuses"], "idle_after": idle,
-              **summary(run["samples"], warmup_s), "samples": run["samples"]}
+              **summary(run["samples"], warmup_s, run["latencies"]), "samples": run["samples"]}
     raw = args.raw or args.artifacts / "bench" / "soak.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(result, indent=1))

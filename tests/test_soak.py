@@ -21,6 +21,11 @@ def test_the_summary_fits_growth_and_cpu_after_warm_up():
     assert s["rss_growth_mb_per_10min"] == {"ingress": 10.0}  # 1 MB a minute, the warm-up's 500 MB left out
     assert s["cpu_cores"] == {"ingress": 0.5}
     assert (s["p99_first_third_s"], s["p99_last_third_s"]) == (0.1, 0.2)
+    # with every request's latency: p99 over each third of the time after warm-up (60-340 s, 620-900 s), every
+    # request counted, the warm-up's slow ones left out
+    lat = [(t / 10, 9.0 if t < 600 else (0.5 if t % 100 == 0 else 0.1) if t < 6200 else 0.3) for t in range(9001)]
+    pooled = summary(samples, warmup_s=60, latencies=lat)
+    assert (pooled["p99_first_third_s"], pooled["p99_last_third_s"], pooled["p99_drift"]) == (0.5, 0.3, -0.4)
 
 
 @pytest.mark.slow
