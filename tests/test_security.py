@@ -89,7 +89,11 @@ def test_every_route_but_health_and_metrics_needs_the_key(env_keyed):
             assert r.json()["error"]["type"] == "unauthorized" and "Bearer" in r.json()["error"]["message"]
     good = {"Authorization": f"Bearer {KEY}"}
     assert server.request("GET", "/v1/models", headers=good).status_code == 200
-    assert "kvserve_requests_total" in server.request("GET", "/metrics", headers=good).text  # either way
+    metrics = server.request("GET", "/metrics", headers=good)
+    assert "kvserve_requests_total" in metrics.text  # either way
+    # open: a shared cache (HAProxy, serving/server/launch.py) may keep it for 1 s; behind the key: none may
+    assert metrics.headers["cache-control"] == ("private, no-store" if server.metrics_require_key
+                                                else "public, max-age=1")
     assert server.request("GET", "/v2/models/nope/ready").status_code == 404  # open, but only for served models
     assert server.request("GET", "/docs", headers=good).status_code == 200
     assert server.request("POST", "/v1/generate", json=body, headers={"Authorization": f"bearer  {KEY} "}
