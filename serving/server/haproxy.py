@@ -67,8 +67,12 @@ def haproxy_wrapper(directory: Path | None = None) -> Path | None:
 # Serve's HAProxy with -dS and a /metrics cache in its config (kvserve: serving/server/haproxy.py)
 n=$# prev=
 for a in "$@"; do
-    if [ "$prev" = "-f" ] && [ -f "$a" ] && sed -f {shlex.quote(str(program))} "$a" > "$a.kvserve.$$"; then
-        mv -f "$a.kvserve.$$" "$a.kvserve" && a="$a.kvserve"
+    if [ "$prev" = "-f" ] && [ -f "$a" ]; then
+        if sed -f {shlex.quote(str(program))} "$a" > "$a.kvserve.$$"; then
+            mv -f "$a.kvserve.$$" "$a.kvserve" && a="$a.kvserve"
+        else
+            rm -f "$a.kvserve.$$"  # no sed, or it failed: Serve's config as it is
+        fi
     fi
     set -- "$@" "$a"
     prev=$a
