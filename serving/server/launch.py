@@ -14,6 +14,7 @@ or exporting bundles (`kvserve up` does that first), the app itself (serving/ser
 """
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import math
@@ -217,18 +218,26 @@ def with_draining(raw: dict[str, Any], draining: bool = True) -> dict[str, Any]:
 def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     """Drain every kvserve application of the (deployed) config `raw`: new API requests get 503 from now on;
     returns True once every ingress replica reports nothing in flight, False if some still had requests
-    after `timeout_s` (serving/server/drain.py explains why the wait is here and not in `reconfigure`)."""
-    from ray import serve
-
+    after `timeout_s` (serving/server/drain.py explains why the wait is here and not in `reconfigure`). Call it
+    outside an event loop (it runs its own: Serve's throughput-optimized handles route on the caller's loop)."""
     drained = with_draining(raw)
     start(drained, timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
     apps = [a.get("name", "default") for a in drained["applications"] if a.get("import_path") == IMPORT_PATH]
-    return all(_wait_idle(serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app), app, deadline)
-               for app in apps)
+    # A loop of its own, left open: the handle's router lives on it until serve.shutdown() (`stop`) closes it.
+    return asyncio.new_event_loop().run_until_complete(_wait_all_idle(apps, deadline))
 
 
-def _wait_idle(handle: Any, app: str, deadline: float) -> bool:
+async def _wait_all_idle(apps: list[str], deadline: float) -> bool:
+    from ray import serve
+
+    for app in apps:
+        if not await _wait_idle(serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app), app, deadline):
+            return False
+    return True
+
+
+async def _wait_idle(handle: Any, app: str, deadline: float) -> bool:
     """Poll `drain_status` until every running ingress replica has reported draining with nothing in flight.
 
     Calls reach replicas by Serve's routing (the least busy of two), so a busy replica is asked once it is
@@ -238,12 +247,12 @@ def _wait_idle(handle: Any, app: str, deadline: float) -> bool:
     idle: set[str] = set()
     while time.monotonic() < deadline:
         replicas = serve.status().applications[app].deployments[INGRESS_DEPLOYMENT].replica_states.get("RUNNING", 1)
-        status = handle.drain_status.remote().result(timeout_s=max(1.0, deadline - time.monotonic()))
+        status = await asyncio.wait_for(handle.drain_status.remote(), max(1.0, deadline - time.monotonic()))
         if status["phase"] == "draining" and status["in_flight"] == 0:
             idle.add(status["replica"])
         if len(idle) >= replicas:
             return True
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     return False
 
 
