@@ -224,7 +224,8 @@ def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     start(drained, timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
     apps = [a.get("name", "default") for a in drained["applications"] if a.get("import_path") == IMPORT_PATH]
-    # A loop of its own, left open: the handle's router lives on it until serve.shutdown() (`stop`) closes it.
+    # A loop of its own, left open: the handle's router stays bound to it, and `stop`'s serve.shutdown() failed
+    # with 'Event loop is closed' when asyncio.run had closed it (measured in test_graceful_drain's teardown).
     return asyncio.new_event_loop().run_until_complete(_wait_all_idle(apps, deadline))
 
 
