@@ -11,7 +11,8 @@ clients, then sends an open-loop Poisson load at `share` of that rate for `minut
 RSS of the proxy, the ingress and the replica (by Ray's process titles) and the latency of the window. At the
 end: growth of each process's RSS per 10 minutes after warm-up (a least-squares slope), p99 drift (first vs last
 third), the statuses (any 5xx is a failure) and whether slots and waiting requests are back to 0.
-Also the mean CPU of each process after warm-up. Writes ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png;
+Also the mean CPU of each process after warm-up, and the capacity again at the end, of the soaked server and
+of a fresh one back to back (`aging`): whether a p99 drift is the server's or the host's. Writes ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png;
 prints the figures.
 """
 from __future__ import annotations
@@ -187,6 +188,23 @@ async def capacity(base: str, seconds: float = 20.0, clients: int = 32) -> float
     return done / (time.monotonic() - t0)
 
 
+def aging(cfg: dict[str, Any], base: str, first: float) -> dict[str, float]:
+    """Capacity of the soaked server, then of a fresh one (the application redeployed: new replica processes),
+    back to back. soaked / fresh below 1 means the server itself slowed down over the soak; fresh / start is the
+    host's own drift over the same time (a shared host's speed changes by tens of percent within minutes)."""
+    from ray import serve
+
+    from serving.server.launch import start
+
+    soaked = asyncio.run(capacity(base))
+    for name in list(serve.status().applications):
+        serve.delete(name, _blocking=True)
+    start(cfg, timeout_s=600)
+    fresh = asyncio.run(capacity(base))
+    return {"start": round(first, 2), "soaked": round(soaked, 2), "fresh": round(fresh, 2),
+            "soaked_over_fresh": round(soaked / fresh, 3), "fresh_over_start": round(fresh / first, 3)}
+
+
 def gauges(base: str) -> dict[str, float]:
     """The server's KV slots in use and waiting requests (its /metrics, summed over replicas)."""
     text, out = httpx.get(base + "/metrics", timeout=30).text, {}
@@ -249,17 +267,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.placement == "colocated":
         cfg["applications"][0] = colocate_models(cfg["applications"][0])
     base = f"http://127.0.0.1:{port}"
-    start(validate_serve_config(cfg), timeout_s=600)
+    cfg = validate_serve_config(cfg)
+    start(cfg, timeout_s=600)
     try:
-        rate = args.share * asyncio.run(capacity(base))
+        first = asyncio.run(capacity(base))
+        rate = args.share * first
         print(f"capacity measured; soaking at {rate:.1f} req/s for {args.minutes:g} min", file=sys.stderr)
         run = asyncio.run(soak(base, rate, args.minutes * 60))
         idle = idle_after(base)
+        aged = aging(cfg, base, first)
     finally:
         stop()
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
-    result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2), "statuses": run["statuses"], "idle_after": idle,
-              **summary(run["samples"], warmup_s, run["latencies"]), "samples": run["samples"]}
+    result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2),
+              "statuses": run["statuses"], "idle_after": idle, **summary(run["samples"], warmup_s, run["latencies"]),
+              "capacity_req_s": aged, "samples": run["samples"]}
     raw = args.raw or args.artifacts / "bench" / "soak.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(result, indent=1))

@@ -1,5 +1,6 @@
 """The soak tool itself (slow): `python -m bench.soak` for one minute on a tiny generate model writes its JSON
-and plot, sees no 5xx, and finds the engine idle afterwards. The 30-minute soak is `make soak`."""
+and plot, sees no 5xx, finds the engine idle afterwards and measures the capacity again, soaked and fresh.
+The 30-minute soak is `make soak`."""
 from __future__ import annotations
 
 import json
@@ -48,3 +49,6 @@ def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp
     assert len(result["samples"]) >= 5 and all(s["rss_mb"][model] for s in result["samples"])
     assert set(result["cpu_cores"]) == roles and 0 < result["cpu_cores"][model] < 4
     assert result["cpu_cores"]["haproxy"] < 0.5  # no spinning HAProxy (serving/server/launch.py)
+    cap = result["capacity_req_s"]  # the soaked server, then a fresh one, measured again at the end
+    assert min(cap["start"], cap["soaked"], cap["fresh"]) > 0
+    assert cap["soaked_over_fresh"] == round(cap["soaked"] / cap["fresh"], 3)
