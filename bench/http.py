@@ -45,7 +45,7 @@ from loadtest.promscrape import GENERATED, Snapshot, parse_metrics
 from loadtest.report import Report
 from loadtest.runner import run_load
 from serving.engine.types import BatchingMode
-from serving.server.launch import colocate_models
+from serving.server.launch import colocate_models, driver_handle
 
 MODEL = "generate"
 APP = "kvserve"
@@ -149,11 +149,9 @@ def _colocated(raw: dict[str, Any]) -> bool:
 
 def model_info(raw: dict[str, Any]) -> dict[str, Any]:
     """The bench model's `info()`: from the ingress replica it is colocated in, or from its own deployment."""
-    from ray import serve
-
     if _colocated(raw):
-        return serve.get_deployment_handle("ingress", app_name=APP).model_info.remote(MODEL).result()
-    return serve.get_deployment_handle(MODEL, app_name=APP).info.remote().result()
+        return driver_handle("ingress", APP).model_info.remote(MODEL).result()
+    return driver_handle(MODEL, APP).info.remote().result()
 
 
 class BenchServer:

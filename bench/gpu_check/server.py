@@ -31,7 +31,8 @@ def serve_config(bundle: Path, device: str, plan: Plan, port: int) -> dict[str, 
     from bench.http import MODEL, HttpPlan, bench_serve_config
 
     slots = max(plan.server_clients)
-    raw = bench_serve_config(SHIPPED, bundle, HttpPlan(slots=slots, threads=1), port)
+    # split: the model is a deployment of its own, the one that asks Ray for the GPU
+    raw = bench_serve_config(SHIPPED, bundle, HttpPlan(slots=slots, threads=1, placement="split"), port)
     app = raw["applications"][0]
     next(m for m in app["args"]["models"] if m["name"] == MODEL)["engine"]["provider"] = device
     dep = next(d for d in app["deployments"] if d["name"] == MODEL)
@@ -62,11 +63,10 @@ def loadtest(url: str, clients: int, plan: Plan, out: Path, data_dir: Path) -> d
 
 
 def replica_info() -> dict[str, Any]:
-    from ray import serve
-
     from bench.http import APP, MODEL
+    from serving.server.launch import driver_handle
 
-    return serve.get_deployment_handle(MODEL, app_name=APP).info.remote().result()
+    return driver_handle(MODEL, APP).info.remote().result()
 
 
 def run(step: Step, plan: Plan, bundles: Bundles, device: str, work: Path, data_dir: Path) -> None:

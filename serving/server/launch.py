@@ -215,6 +215,17 @@ def with_draining(raw: dict[str, Any], draining: bool = True) -> dict[str, Any]:
     return out
 
 
+def driver_handle(deployment: str, app: str) -> Any:
+    """A deployment handle for synchronous code outside an event loop (`.remote().result()`): its router runs on
+    a loop of its own, whatever RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP the fast data plane put in the environment
+    (with 0, a plain handle's call fails there: 'No event loop running')."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    handle._init(_run_router_in_separate_loop=True)
+    return handle
+
+
 def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     """Drain every kvserve application of the (deployed) config `raw`: new API requests get 503 from now on;
     returns True once every ingress replica reports nothing in flight, False if some still had requests
