@@ -25,6 +25,14 @@ import pytest
 API_KEY_ENV = "KVSERVE_TEST_API_KEY"
 
 
+def own_ray_env() -> dict[str, str]:
+    """This environment without the HAProxy ports that this test run's own Ray took (`ray_cluster`): for a
+    subprocess that starts a Ray of its own, which then picks its own ports."""
+    from serving.server.launch import HAPROXY_PORT_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,6 @@ requests get 503 + Retry-After while it drains, and the process exits within the
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import free_port, own_ray_env
 from reliability_cluster import write_long_bundles
 
 pytestmark = pytest.mark.slow
@@ -50,14 +49,6 @@ def _stream(base: str, out: list, started: threading.Event) -> None:
                 events.append(json.loads(line[6:]))
                 started.set()
     out.append((r.status_code, events, time.monotonic()))
-
-
-def own_ray_env() -> dict[str, str]:
-    """This environment without the HAProxy ports that this test run's own Ray took (tests/conftest.py): the
-    server under test starts a Ray of its own, which picks its own."""
-    from serving.server.launch import HAPROXY_PORT_ENV
-
-    return {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}
 
 
 def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path):

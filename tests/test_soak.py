@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import own_ray_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,7 @@ def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp
     out = tmp_path / "img"
     run = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "1", "--artifacts", str(bundles),
                           "--out", str(out), "--placement", placement], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env=own_ray_env())
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     result = json.loads((bundles / "bench" / "soak.json").read_text())
     assert result["placement"] == placement

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import own_ray_env
 from two_node_cluster import DEADLINE_S, REQUESTS
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_killing_the_second_nodes_raylet_loses_no_request(bundles):
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "two_node_cluster.py"), str(bundles)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, env=own_ray_env())
     line = next((x for x in run.stdout.splitlines() if x.startswith("TWO_NODE ")), None)
     assert line is not None, (run.stdout[-2000:], run.stderr[-4000:])
     result = json.loads(line[len("TWO_NODE "):])
