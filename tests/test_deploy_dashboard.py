@@ -174,7 +174,7 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path, monkeypatch) -> Non
 
     from serving.server.launch import prepare_config, start, stop, use_fast_data_plane
 
-    if ray.is_initialized():  # the session's cluster (conftest `ray_cluster`) holds this process's Ray: a fresh one
+    if ray.is_initialized():  # conftest's ray_cluster holds this process's Ray: run in a fresh interpreter
         this = f"{__file__}::test_dashboard_metrics_appear_in_a_real_scrape"
         run = subprocess.run([sys.executable, "-m", "pytest", "-m", "slow", "-o", "addopts=-q", "-p", "no:cacheprovider",
                               this],
