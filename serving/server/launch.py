@@ -219,9 +219,9 @@ def driver_handle(deployment: str, app: str) -> Any:
     """A deployment handle for synchronous code outside an event loop (`.remote().result()`): its router runs on
     a loop of its own, whatever RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP the fast data plane put in the environment
     (with 0, a plain handle's call fails there: 'No event loop running')."""
-    from ray import serve
+    from ray.serve.handle import DeploymentHandle
 
-    handle = serve.get_deployment_handle(deployment, app_name=app)
+    handle = DeploymentHandle(deployment, app)  # not Serve's cached one: that may be bound to another loop
     handle._init(_run_router_in_separate_loop=True)
     return handle
 
@@ -241,11 +241,17 @@ def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
 
 
 async def _wait_all_idle(apps: list[str], deadline: float) -> bool:
-    from ray import serve
+    """Handles of this loop's own, not Serve's cached ones (a cached handle whose router is bound to this loop
+    would break every later caller on another loop); shut down when done."""
+    from ray.serve.handle import DeploymentHandle
 
     for app in apps:
-        if not await _wait_idle(serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app), app, deadline):
-            return False
+        handle = DeploymentHandle(INGRESS_DEPLOYMENT, app)
+        try:
+            if not await _wait_idle(handle, app, deadline):
+                return False
+        finally:
+            await handle.shutdown_async()
     return True
 
 
