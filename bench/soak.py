@@ -12,8 +12,8 @@ RSS of the proxy, the ingress and the replica (by Ray's process titles) and the 
 end: growth of each process's RSS per 10 minutes after warm-up (a least-squares slope), p99 drift (first vs last
 third), the statuses (any 5xx is a failure) and whether slots and waiting requests are back to 0.
 Also the mean CPU of each process after warm-up, and the capacity again at the end, of the soaked server and
-of a fresh one back to back (`aging`): whether a p99 drift is the server's or the host's. Writes ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png;
-prints the figures.
+of a fresh one back to back (`aging`): whether a p99 drift is the server's or the host's. Writes
+ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png; prints the figures.
 """
 from __future__ import annotations
 

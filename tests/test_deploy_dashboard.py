@@ -176,9 +176,8 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path, monkeypatch) -> Non
 
     if ray.is_initialized():  # conftest's ray_cluster holds this process's Ray: run in a fresh interpreter
         this = f"{__file__}::test_dashboard_metrics_appear_in_a_real_scrape"
-        run = subprocess.run([sys.executable, "-m", "pytest", "-m", "slow", "-o", "addopts=-q", "-p", "no:cacheprovider",
-                              this],
-                             cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900,
+        cmd = [sys.executable, "-m", "pytest", "-m", "slow", "-o", "addopts=-q", "-p", "no:cacheprovider", this]
+        run = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900,
                              env=own_ray_env())
         assert run.returncode == 0, run.stdout[-4000:]
         return

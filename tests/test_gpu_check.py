@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_check.__main__ import main
-from conftest import own_ray_env
 from bench.gpu_check.kv_on_device import measured_nodes, summarize
 from bench.gpu_check.plan import Status, Step
 from bench.gpu_check.report import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, document, exit_status, markdown
 from serving.engine.runtime import gpu_visible
+from conftest import own_ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = (4, 64, 8)  # heads, max_len, head_dim
