@@ -27,7 +27,8 @@ API_KEY_ENV = "KVSERVE_TEST_API_KEY"
 
 def own_ray_env() -> dict[str, str]:
     """This environment without the HAProxy ports that this test run's own Ray took (`ray_cluster`): for a
-    subprocess that starts a Ray of its own, which then picks its own ports."""
+    subprocess that starts a Ray of its own outside `launch.start` (which picks ports of its own when it inherited
+    another process's: launch.PORTS_OWNER_ENV)."""
     from serving.server.launch import HAPROXY_PORT_ENV
 
     return {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}

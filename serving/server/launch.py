@@ -46,17 +46,25 @@ DATA_PLANE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMI
 # HAProxy also listens for its statistics page and its Prometheus metrics, on every interface (Ray's template);
 # Ray's defaults (8404, 9101) are fixed, so a second kvserve on the host would fail to start: free ports instead.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# The pid of the process that picked those ports: a child process (a test, a script started from a server's
+# process) inherits them while that server's HAProxy holds them, and picks its own ('failed to start listeners').
+PORTS_OWNER_ENV = "KVSERVE_HAPROXY_PORTS_PID"
 
 
 def use_fast_data_plane() -> dict[str, str]:
     """Put DATA_PLANE_ENV in this process's environment (what Ray's processes inherit) where it is not set, free
-    ports for HAProxy's own listeners and kvserve's HAProxy wrapper (serving/server/haproxy.py); returns the
-    values in effect."""
+    ports for HAProxy's own listeners (unless the operator set them, or this process already picked them) and
+    kvserve's HAProxy wrapper (serving/server/haproxy.py); returns the values in effect."""
     for key, value in DATA_PLANE_ENV.items():
         os.environ.setdefault(key, value)
     if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
-        for key in HAPROXY_PORT_ENV:
-            os.environ.setdefault(key, str(_free_port()))
+        if os.environ.get(PORTS_OWNER_ENV, str(os.getpid())) != str(os.getpid()):  # inherited from another kvserve
+            for key in HAPROXY_PORT_ENV:
+                os.environ.pop(key, None)
+        if any(key not in os.environ for key in HAPROXY_PORT_ENV):
+            for key in HAPROXY_PORT_ENV:
+                os.environ.setdefault(key, str(_free_port()))
+            os.environ[PORTS_OWNER_ENV] = str(os.getpid())
         if HAPROXY_BINARY_ENV not in os.environ and (wrapper := haproxy_wrapper()) is not None:
             os.environ[HAPROXY_BINARY_ENV] = str(wrapper)
     keys = (*DATA_PLANE_ENV, *HAPROXY_PORT_ENV, HAPROXY_BINARY_ENV)
@@ -215,15 +223,31 @@ def with_draining(raw: dict[str, Any], draining: bool = True) -> dict[str, Any]:
     return out
 
 
+_DRIVER_HANDLES: dict[tuple[str, str, str], Any] = {}
+
+
 def driver_handle(deployment: str, app: str) -> Any:
     """A deployment handle for synchronous code outside an event loop (`.remote().result()`): its router runs on
     a loop of its own, whatever RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP the fast data plane put in the environment
-    (with 0, a plain handle's call fails there: 'No event loop running')."""
+    (with 0, a plain handle's call fails there: 'No event loop running'). One per deployment and Ray job, reused;
+    `stop` shuts them down."""
+    import ray
     from ray.serve.handle import DeploymentHandle
 
-    handle = DeploymentHandle(deployment, app)  # not Serve's cached one: that may be bound to another loop
-    handle._init(_run_router_in_separate_loop=True)
-    return handle
+    key = (deployment, app, ray.get_runtime_context().get_job_id())
+    if key not in _DRIVER_HANDLES:
+        handle = DeploymentHandle(deployment, app)  # not Serve's cached one: that may be bound to another loop
+        handle._init(_run_router_in_separate_loop=True)
+        _DRIVER_HANDLES[key] = handle
+    return _DRIVER_HANDLES[key]
+
+
+def _shutdown_driver_handles() -> None:
+    while _DRIVER_HANDLES:
+        try:
+            _DRIVER_HANDLES.popitem()[1].shutdown()
+        except Exception as e:  # a handle that cannot shut down must not prevent Serve's shutdown
+            print(f"kvserve: a driver handle did not shut down ({e!r})", file=sys.stderr, flush=True)
 
 
 def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
@@ -332,6 +356,7 @@ def stop(raw: dict[str, Any] | None = None, drain_timeout_s: float = DRAIN_TIMEO
             for name in list(serve.status().applications):
                 serve.delete(name, _blocking=True)
         finally:
+            _shutdown_driver_handles()
             serve.shutdown()
             ray.shutdown()
 
