@@ -11,8 +11,9 @@ clients, then sends an open-loop Poisson load at `share` of that rate for `minut
 RSS of the proxy, the ingress and the replica (by Ray's process titles) and the latency of the window. At the
 end: growth of each process's RSS per 10 minutes after warm-up (a least-squares slope), p99 drift (first vs last
 third), the statuses (any 5xx is a failure) and whether slots and waiting requests are back to 0.
-Also the mean CPU of each process after warm-up, and the capacity again at the end, of the soaked server and
-of a fresh one back to back (`aging`): whether a p99 drift is the server's or the host's. Writes
+Also the mean CPU of each process after warm-up, and at the end the soaked server against a fresh copy deployed
+beside it, measured alternately (`aging`: p99 at the soak's load, capacity): whether a drift is the server's
+or the host's. Writes
 ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png; prints the figures.
 """
 from __future__ import annotations
@@ -188,21 +189,48 @@ async def capacity(base: str, seconds: float = 20.0, clients: int = 32) -> float
     return done / (time.monotonic() - t0)
 
 
-def aging(cfg: dict[str, Any], base: str, first: float) -> dict[str, float]:
-    """Capacity of the soaked server, then of a fresh one (the application redeployed: new replica processes),
-    back to back. soaked / fresh below 1 means the server itself slowed down over the soak; fresh / start is the
-    host's own drift over the same time (a shared host's speed changes by tens of percent within minutes)."""
-    from ray import serve
+FRESH_APP = "fresh"  # the fresh copy of the application that `aging` deploys beside the soaked one
 
+
+def with_fresh_copy(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config plus a copy of its (first) application under FRESH_APP, routed at /FRESH_APP: deploying it
+    leaves the soaked application's replicas as they are (unchanged in the config) and starts new ones."""
+    fresh = {**json.loads(json.dumps(cfg["applications"][0])), "name": FRESH_APP, "route_prefix": f"/{FRESH_APP}"}
+    return {**cfg, "applications": [cfg["applications"][0], fresh]}
+
+
+def aging(cfg: dict[str, Any], base: str, first: float, rate: float, window_s: float = 60.0,
+          rounds: int = 2) -> dict[str, Any]:
+    """The soaked server against a fresh copy of it (new replica processes) deployed beside it, on the same host
+    at the same time, the two measured alternately (soaked, fresh, fresh, soaked, ...): the p99 of the soak's own
+    load at `rate` over `rounds` windows of `window_s` each, and the capacity. soaked / fresh above 1 means the
+    server itself aged; fresh capacity / `first` is the host's own drift over the soak (a shared host's speed
+    changes by tens of percent within minutes, which a first-vs-last comparison cannot tell from aging)."""
     from serving.server.launch import start
 
-    soaked = asyncio.run(capacity(base))
-    for name in list(serve.status().applications):
-        serve.delete(name, _blocking=True)
-    start(cfg, timeout_s=600)
-    fresh = asyncio.run(capacity(base))
-    return {"start": round(first, 2), "soaked": round(soaked, 2), "fresh": round(fresh, 2),
-            "soaked_over_fresh": round(soaked / fresh, 3), "fresh_over_start": round(fresh / first, 3)}
+    start(with_fresh_copy(cfg), timeout_s=600)
+    bases = {"soaked": base, "fresh": f"{base}/{FRESH_APP}"}
+    asyncio.run(soak(bases["fresh"], rate, min(30.0, window_s), progress=False))  # the fresh copy's warm-up
+    latencies: dict[str, list[float]] = {"soaked": [], "fresh": []}
+    statuses: dict[str, Counter] = {"soaked": Counter(), "fresh": Counter()}
+    for r in range(rounds):
+        for side in ("soaked", "fresh")[:: 1 if r % 2 == 0 else -1]:
+            run = asyncio.run(soak(bases[side], rate, window_s, progress=False))
+            latencies[side] += [x for _, x in run["latencies"]]
+            statuses[side].update(run["statuses"])
+    caps: dict[str, list[float]] = {"soaked": [], "fresh": []}
+    for side in ("soaked", "fresh", "fresh", "soaked"):
+        caps[side].append(asyncio.run(capacity(bases[side])))
+    cap = {side: sum(xs) / len(xs) for side, xs in caps.items()}
+    p99 = {side: _p99(xs) for side, xs in latencies.items()}
+    return {"capacity_req_s": {"start": round(first, 2), "soaked": round(cap["soaked"], 2),
+                               "fresh": round(cap["fresh"], 2),
+                               "soaked_over_fresh": round(cap["soaked"] / cap["fresh"], 3),
+                               "fresh_over_start": round(cap["fresh"] / first, 3)},
+            "side_by_side": {"rate_per_s": round(rate, 2), "window_s": window_s, "rounds": rounds, "p99_s": p99,
+                             "p99_soaked_over_fresh": round(p99["soaked"] / p99["fresh"], 3)
+                             if p99["soaked"] and p99["fresh"] else None,
+                             "statuses": {side: dict(c) for side, c in statuses.items()}}}
 
 
 def gauges(base: str) -> dict[str, float]:
@@ -252,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="holds bundles/generate")
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="where soak.png goes")
     p.add_argument("--raw", type=Path, default=None, help="the figures' JSON (default: ARTIFACTS/bench/soak.json)")
+    p.add_argument("--compare-seconds", type=float, default=60.0,
+                   help="each window of the soaked-vs-fresh comparison at the end (4 windows)")
     p.add_argument("--placement", choices=("colocated", "split"), default="colocated",
                    help="the model in the ingress replica (kvserve serve's default) or a deployment of its own")
     args = p.parse_args(argv)
@@ -275,13 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capacity measured; soaking at {rate:.1f} req/s for {args.minutes:g} min", file=sys.stderr)
         run = asyncio.run(soak(base, rate, args.minutes * 60))
         idle = idle_after(base)
-        aged = aging(cfg, base, first)
+        aged = aging(cfg, base, first, rate, args.compare_seconds)
     finally:
         stop()
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
     result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2),
               "statuses": run["statuses"], "idle_after": idle, **summary(run["samples"], warmup_s, run["latencies"]),
-              "capacity_req_s": aged, "samples": run["samples"]}
+              **aged, "samples": run["samples"]}
     raw = args.raw or args.artifacts / "bench" / "soak.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(result, indent=1))

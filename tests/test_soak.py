@@ -1,5 +1,5 @@
 """The soak tool itself (slow): `python -m bench.soak` for one minute on a tiny generate model writes its JSON
-and plot, sees no 5xx, finds the engine idle afterwards and measures the capacity again, soaked and fresh.
+and plot, sees no 5xx, finds the engine idle afterwards and compares the soaked server with a fresh copy beside it.
 The 30-minute soak is `make soak`."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import own_ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +36,8 @@ def test_the_summary_fits_growth_and_cpu_after_warm_up():
 def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp_path, placement, roles):
     out = tmp_path / "img"
     run = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "1", "--artifacts", str(bundles),
-                          "--out", str(out), "--placement", placement], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=own_ray_env())
+                          "--out", str(out), "--placement", placement, "--compare-seconds", "10"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     result = json.loads((bundles / "bench" / "soak.json").read_text())
     assert result["placement"] == placement
@@ -51,6 +50,10 @@ def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp
     assert len(result["samples"]) >= 5 and all(s["rss_mb"][model] for s in result["samples"])
     assert set(result["cpu_cores"]) == roles and 0 < result["cpu_cores"][model] < 4
     assert result["cpu_cores"]["haproxy"] < 0.5  # no spinning HAProxy (serving/server/launch.py)
-    cap = result["capacity_req_s"]  # the soaked server, then a fresh one, measured again at the end
+    cap = result["capacity_req_s"]  # the soaked server and a fresh copy beside it, measured alternately at the end
     assert min(cap["start"], cap["soaked"], cap["fresh"]) > 0
     assert cap["soaked_over_fresh"] == round(cap["soaked"] / cap["fresh"], 3)
+    side = result["side_by_side"]  # both answered the soak's load, each its own p99
+    assert all(side["statuses"][s].get("200", 0) > 0 for s in ("soaked", "fresh")), side
+    assert not [k for s in side["statuses"].values() for k in s if k.startswith("5")], side
+    assert side["p99_soaked_over_fresh"] == round(side["p99_s"]["soaked"] / side["p99_s"]["fresh"], 3)
