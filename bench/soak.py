@@ -195,8 +195,32 @@ FRESH_APP = "fresh"  # the fresh copy of the application that `aging` deploys be
 def with_fresh_copy(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config plus a copy of its (first) application under FRESH_APP, routed at /FRESH_APP: deploying it
     leaves the soaked application's replicas as they are (unchanged in the config) and starts new ones."""
-    fresh = {**json.loads(json.dumps(cfg["applications"][0])), "name": FRESH_APP, "route_prefix": f"/{FRESH_APP}"}
-    return {**cfg, "applications": [cfg["applications"][0], fresh]}
+    return {**cfg, "applications": [cfg["applications"][0], app_copy(cfg["applications"][0], FRESH_APP)]}
+
+
+def app_copy(app: dict[str, Any], name: str) -> dict[str, Any]:
+    """A deep copy of an application's config under `name`, routed at /name (its replicas are processes of
+    their own, titled ServeReplica:name:...)."""
+    return {**json.loads(json.dumps(app)), "name": name, "route_prefix": f"/{name}"}
+
+
+def soak_config(artifacts: Path, port: int, placement: str = "colocated") -> dict[str, Any]:
+    """The soak's Serve config: one generate model, 16 KV slots, a waiting room of 16 (bursts past it: 429), the
+    model in the ingress replica (`colocated`, as `kvserve serve`) or a deployment of its own (`split`)."""
+    from serving.server.launch import colocate_models
+
+    cfg = single_model_config(artifacts.resolve(), port, slots=16)
+    cfg["logging_config"] = {**cfg.get("logging_config", {}), "log_level": "WARNING", "enable_access_log": False}
+    cfg["applications"][0]["deployments"][1]["user_config"]["max_waiting"] = 16
+    if placement == "colocated":
+        cfg["applications"][0] = colocate_models(cfg["applications"][0])
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def aging(cfg: dict[str, Any], base: str, first: float, rate: float, window_s: float = 60.0,
@@ -286,18 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model in the ingress replica (kvserve serve's default) or a deployment of its own")
     args = p.parse_args(argv)
     from serving.server.config import validate_serve_config
-    from serving.server.launch import colocate_models, start, stop
+    from serving.server.launch import start, stop
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = single_model_config(args.artifacts.resolve(), port, slots=16)
-    cfg["logging_config"] = {**cfg.get("logging_config", {}), "log_level": "WARNING", "enable_access_log": False}
-    cfg["applications"][0]["deployments"][1]["user_config"]["max_waiting"] = 16  # bursts past it: 429
-    if args.placement == "colocated":
-        cfg["applications"][0] = colocate_models(cfg["applications"][0])
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cfg = validate_serve_config(cfg)
+    cfg = validate_serve_config(soak_config(args.artifacts, port, args.placement))
     start(cfg, timeout_s=600)
     try:
         first = asyncio.run(capacity(base))
