@@ -13,8 +13,7 @@ end: growth of each process's RSS per 10 minutes after warm-up (a least-squares 
 third), the statuses (any 5xx is a failure) and whether slots and waiting requests are back to 0.
 Also the mean CPU of each process after warm-up, and at the end the soaked server against a fresh copy deployed
 beside it, measured alternately (`aging`: p99 at the soak's load, capacity): whether a drift is the server's
-or the host's. Writes
-ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png; prints the figures.
+or the host's. Writes ARTIFACTS/bench/soak.json (or --raw) and OUT/soak.png; prints the figures.
 """
 from __future__ import annotations
 
@@ -218,6 +217,7 @@ def soak_config(artifacts: Path, port: int, placement: str = "colocated") -> dic
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
