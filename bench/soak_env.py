@@ -122,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
             return await asyncio.gather(*(soak(f"{base}/{name}", rate, args.minutes * 60, progress=False)
                                           for name in variants))
         runs = dict(zip(variants, asyncio.run(together())))
-        halt.set()
     finally:
         halt.set()
         stop()
