@@ -135,17 +135,16 @@ def _sample(procs: dict[str, psutil.Process], t: float, window: list[float], sta
 
 def summary(samples: list[dict[str, Any]], warmup_s: float,
             latencies: list[tuple[float, float]] | None = None) -> dict[str, Any]:
-    """RSS growth per 10 minutes after warm-up (least squares); p99 of the first and the last third of the time
-    after warm-up, over every request answered in it (`latencies`: (time, latency) pairs; a 10 s window holds a
-    burst or not, so its own p99 swings with the burst's phase), or without them the median window p99."""
+    """RSS growth per 10 minutes after warm-up (least squares), and from a third and from two thirds of the way
+    through the time after warm-up to the end (`rss_growth_later`: a growth that slows down shows there); p99 of
+    the first and the last third of the time after warm-up, over every request answered in it (`latencies`:
+    (time, latency) pairs; a 10 s window holds a burst or not, so its own p99 swings with the burst's phase), or
+    without them the median window p99."""
     after = [s for s in samples if s["t"] >= warmup_s]
-    growth = {}
-    for role in (after[0]["rss_mb"] if after else {}):
-        pts = [(s["t"], s["rss_mb"][role]) for s in after if s["rss_mb"].get(role) is not None]
-        if len(pts) >= 2:
-            mt, mv = sum(t for t, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
-            slope = sum((t - mt) * (v - mv) for t, v in pts) / max(1e-9, sum((t - mt) ** 2 for t, _ in pts))
-            growth[role] = round(slope * 600, 2)  # MB per 10 minutes
+    growth = _growth(after)
+    end = samples[-1]["t"] if samples else 0.0
+    later = {f"from_{round(t / 60)}min": _growth([s for s in samples if s["t"] >= t])  # slowing or steady?
+             for t in (warmup_s + (end - warmup_s) / 3, warmup_s + 2 * (end - warmup_s) / 3)}
     third = max(1, len(after) // 3)
     p99s = [s["p99_s"] for s in after if s["p99_s"] is not None]
     first, last = (sorted(p99s[:third]), sorted(p99s[-third:])) if p99s else ([], [])
@@ -161,8 +160,20 @@ def summary(samples: list[dict[str, Any]], warmup_s: float,
         if a is not None and b is not None:
             cores[role] = round((b - a) / max(1e-9, after[-1]["t"] - after[0]["t"]), 2)
     drift = round(p99_last / p99_first - 1, 3) if p99_first and p99_last else None
-    return {"rss_growth_mb_per_10min": growth, "p99_first_third_s": p99_first, "p99_last_third_s": p99_last,
-            "p99_drift": drift, "cpu_cores": cores}
+    return {"rss_growth_mb_per_10min": growth, "rss_growth_later": later, "p99_first_third_s": p99_first,
+            "p99_last_third_s": p99_last, "p99_drift": drift, "cpu_cores": cores}
+
+
+def _growth(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Each role's RSS growth in MB per 10 minutes over `samples` (a least-squares slope)."""
+    growth = {}
+    for role in (samples[0]["rss_mb"] if samples else {}):
+        pts = [(s["t"], s["rss_mb"][role]) for s in samples if s["rss_mb"].get(role) is not None]
+        if len(pts) >= 2:
+            mt, mv = sum(t for t, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
+            slope = sum((t - mt) * (v - mv) for t, v in pts) / max(1e-9, sum((t - mt) ** 2 for t, _ in pts))
+            growth[role] = round(slope * 600, 2)
+    return growth
 
 
 def _mid(xs: list[float]) -> float | None:

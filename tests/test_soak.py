@@ -1,6 +1,7 @@
 """The soak tool itself (slow): `python -m bench.soak` for one minute on a tiny generate model writes its JSON
 and plot, sees no 5xx, finds the engine idle afterwards and compares the soaked server with a fresh copy beside it.
-The 30-minute soak is `make soak`."""
+The 30-minute soak is `make soak`; `bench.soak_env` and `bench.soak_kinds` get short runs here too.
+"""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,10 @@ def test_the_summary_fits_growth_and_cpu_after_warm_up():
                 "cpu_s": {"ingress": 0.5 * t}, "p99_s": 0.1 if t < 300 else 0.2} for t in range(0, 901, 10)]
     s = summary(samples, warmup_s=60)
     assert s["rss_growth_mb_per_10min"] == {"ingress": 10.0}  # 1 MB a minute, the warm-up's 500 MB left out
+    assert s["rss_growth_later"] == {"from_6min": {"ingress": 10.0}, "from_10min": {"ingress": 10.0}}
+    flattening = [{**x, "rss_mb": {"ingress": min(x["t"], 600) / 60}} for x in samples]  # flat from minute 10
+    assert summary(flattening, warmup_s=60)["rss_growth_later"] == {"from_6min": {"ingress": 4.47},
+                                                                    "from_10min": {"ingress": 0.0}}
     assert s["cpu_cores"] == {"ingress": 0.5}
     assert (s["p99_first_third_s"], s["p99_last_third_s"]) == (0.1, 0.2)
     # with every request's latency: p99 over each third of the time after warm-up (60-340 s, 620-900 s), every
@@ -103,3 +108,27 @@ def test_variants_soak_side_by_side_and_each_ingress_gets_its_env(bundles, tmp_p
         assert result[name]["rss_growth_mb_per_10min"] is not None and result[name]["p99_s"] > 0
     assert result["env_applied"] == {"base": {}, "trim": env}  # read from the ingress process itself
     assert len(result["samples"]) >= 5
+
+
+def test_kinds_growth_is_a_slope_per_thousand_requests():
+    from bench.soak_kinds import slope_per_1000
+
+    assert slope_per_1000([(3000, 100.0), (4000, 100.5), (5000, 101.0)]) == 0.5
+    assert slope_per_1000([(3000, 100.0), (4000, 100.0)]) == 0.0
+    assert slope_per_1000([(3000, 100.0)]) is None
+
+
+@pytest.mark.slow
+def test_kinds_sends_each_kind_in_batches_and_fits_each_process(bundles, tmp_path):
+    raw = tmp_path / "kinds.json"
+    run = subprocess.run([sys.executable, "-m", "bench.soak_kinds", "--placement", "split", "--kinds",
+                          "plain,giveup", "--batches", "4", "--per-batch", "40", "--clients", "4", "--artifacts",
+                          str(bundles), "--raw", str(raw)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    kinds = json.loads(raw.read_text())["kinds"]
+    assert set(kinds) == {"plain", "giveup"}
+    assert kinds["plain"]["outcomes"] == {"200": 160}  # every request of the kind, every one answered
+    assert sum(kinds["giveup"]["outcomes"].values()) == 160
+    for kind in kinds.values():
+        assert set(kind["mb_per_1000"]) == {"ingress", "replica"}  # split: the engine in a replica of its own
+        assert all(len(v) == 4 and min(v) > 50 for v in kind["rss_mb"].values())
