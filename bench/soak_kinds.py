@@ -1,6 +1,6 @@
 """Which requests make the server's processes grow: RSS per 1,000 requests of one kind at a time.
 
-    python -m bench.soak_kinds [--placement split] [--kinds plain,stream,drop,giveup] [--batches 6]
+    python -m bench.soak_kinds [--placement split] [--kinds plain,stream,drop,giveup] [--batches 10]
                                [--per-batch 1000] [--clients 16] [--artifacts artifacts] [--raw FILE]
 
 Deploys the soak's application (bench/soak.py) and, for each kind of the soak's requests (plain, stream, drop: a
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak_kinds", description=__doc__.split("\n\n")[0])
     p.add_argument("--placement", choices=("colocated", "split"), default="split")
     p.add_argument("--kinds", default="plain,stream,drop,giveup")
-    p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--batches", type=int, default=10)
     p.add_argument("--per-batch", type=int, default=1000)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="holds bundles/generate")
