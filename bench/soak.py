@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model in the ingress replica (kvserve serve's default) or a deployment of its own")
     args = p.parse_args(argv)
     from serving.server.config import validate_serve_config
-    from serving.server.launch import start, stop
+    from serving.server.launch import MALLOC_ENV, start, stop
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -332,14 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         rate = args.share * first
         print(f"capacity measured; soaking at {rate:.1f} req/s for {args.minutes:g} min", file=sys.stderr)
         run = asyncio.run(soak(base, rate, args.minutes * 60))
+        env = processes()["ingress"].environ()  # what the server's processes run with (launch.MALLOC_ENV)
         idle = idle_after(base)
         aged = aging(cfg, base, first, rate, args.compare_seconds)
     finally:
         stop()
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
     result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2),
-              "statuses": run["statuses"], "idle_after": idle, **summary(run["samples"], warmup_s, run["latencies"]),
-              **aged, "samples": run["samples"]}
+              "statuses": run["statuses"], "idle_after": idle,
+              "ingress_malloc_env": {k: env.get(k) for k in MALLOC_ENV},
+              **summary(run["samples"], warmup_s, run["latencies"]), **aged, "samples": run["samples"]}
     raw = args.raw or args.artifacts / "bench" / "soak.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(result, indent=1))

@@ -342,3 +342,16 @@ def test_the_generator_refuses_a_plaintext_key_and_overrides_the_local_host() ->
     _app(cfg)["args"]["api_key"] = "hunter2"
     with pytest.raises(ValueError, match="plaintext args.api_key"):
         gen.image_serve_config(cfg, gen.Variant.CPU)
+
+
+def test_every_ray_container_and_image_runs_with_the_servers_malloc_settings() -> None:
+    """The RSS of a long-running server stays flat only with the arenas `kvserve serve` sets (docs/reliability.md)."""
+    from serving.server.launch import MALLOC_ENV
+
+    docs = _docs()
+    for group in (_head(docs), _worker(docs)):
+        for key, value in MALLOC_ENV.items():
+            assert _env(group, key)["value"] == value
+    for variant in ("cpu", "gpu"):
+        text = (DEPLOY / "docker" / f"Dockerfile.{variant}").read_text()
+        assert all(f"ENV {key}={value}\n" in text for key, value in MALLOC_ENV.items())

@@ -46,6 +46,8 @@ def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     result = json.loads((bundles / "bench" / "soak.json").read_text())
     assert result["placement"] == placement
+    from serving.server.launch import MALLOC_ENV
+    assert result["ingress_malloc_env"] == MALLOC_ENV  # the server's processes run with kvserve's arenas
     assert (out / "soak.png").stat().st_size > 10_000
     assert not [s for s in result["statuses"] if s.startswith("5")] and result["statuses"].get("200", 0) > 0
     assert set(result["rss_growth_mb_per_10min"]) == roles  # HAProxy too: Serve's data plane
