@@ -43,12 +43,10 @@ METRICS_REPORT_MS = 2000
 DATA_PLANE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
-# glibc's malloc gives each busy thread an arena of its own (up to 8 per core); in a serving process (event loop,
-# engine step thread, ONNX Runtime's and Ray's threads) the arenas keep spreading: a colocated ingress grew ~1.1 MB
-# per 10 minutes without end, and 0.03 MB with two arenas at the same p99 (docs/reliability.md, the soak). Read
-# when each Ray process starts; a value already in the environment wins.
+# glibc gives each busy thread a malloc arena (up to 8 per core); a serving process's arenas keep spreading: the
+# ingress grew 1.5 MB per 10 minutes, 0.03 with two arenas at the same p99 (docs/reliability.md). Read when each
+# Ray process starts; a value already in the environment wins.
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
-
 
 # HAProxy also listens for its statistics page and its Prometheus metrics, on every interface (Ray's template);
 # Ray's defaults (8404, 9101) are fixed, so a second kvserve on the host would fail to start: free ports instead.
