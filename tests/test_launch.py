@@ -290,7 +290,8 @@ backend app
         assert hits("/metrics", 20, authorization="Bearer k") == 20
         assert hits("/other", 10) == 10
         time.sleep(1.5)
-        assert hits("/metrics", 10) == 1  # expired after max-age=1: fetched again
+        n_hits, ticks = _origin_hits(base, "/metrics", 10)
+        assert 1 <= n_hits <= 1 + ticks, (n_hits, ticks)  # expired after max-age=1: fetched again
         _Origin.cache_control = METRICS_CACHE_CONTROL[True]
         time.sleep(1.5)
         assert hits("/metrics", 10) == 10
