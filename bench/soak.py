@@ -168,12 +168,19 @@ def _growth(samples: list[dict[str, Any]]) -> dict[str, float]:
     """Each role's RSS growth in MB per 10 minutes over `samples` (a least-squares slope)."""
     growth = {}
     for role in (samples[0]["rss_mb"] if samples else {}):
-        pts = [(s["t"], s["rss_mb"][role]) for s in samples if s["rss_mb"].get(role) is not None]
-        if len(pts) >= 2:
-            mt, mv = sum(t for t, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
-            slope = sum((t - mt) * (v - mv) for t, v in pts) / max(1e-9, sum((t - mt) ** 2 for t, _ in pts))
-            growth[role] = round(slope * 600, 2)
+        per_s = slope([(s["t"], s["rss_mb"][role]) for s in samples if s["rss_mb"].get(role) is not None])
+        if per_s is not None:
+            growth[role] = round(per_s * 600, 2)
     return growth
+
+
+def slope(points: list[tuple[float, float]]) -> float | None:
+    """The least-squares slope of (x, y) points; None for fewer than two distinct x."""
+    if len(points) < 2:
+        return None
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else None
 
 
 def _mid(xs: list[float]) -> float | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.soak import _one, free_port, processes, soak_config
+from bench.soak import _one, free_port, processes, slope, soak_config
 
 WARM_BATCHES = 2  # left out of the fit
 
@@ -45,11 +45,8 @@ async def batch(base: str, kind: str, n: int, clients: int) -> Counter:
 
 def slope_per_1000(points: list[tuple[int, float]]) -> float | None:
     """Least-squares MB per 1,000 requests of (requests so far, RSS MB) points."""
-    if len(points) < 2:
-        return None
-    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
-    den = sum((x - mx) ** 2 for x, _ in points)
-    return round(1000 * sum((x - mx) * (y - my) for x, y in points) / den, 3) if den else None
+    per_request = slope(points)
+    return round(1000 * per_request, 3) if per_request is not None else None
 
 
 def measure(base: str, kinds: list[str], batches: int, per_batch: int, clients: int) -> dict[str, Any]:
