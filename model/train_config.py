@@ -51,11 +51,12 @@ class TrainConfig:
 # (7d913c6, 2026-11-30); the decay's time scale 1 / (lr x wd) should keep its share of a ~4,500-step run, so 0.2.
 # Figures and commands in docs/training.md.
 RECIPES: dict[str, dict] = {
-    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=4500,
+    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=8000,
                       batch_tokens=3000, lr=2e-3, warmup=400, weight_decay=0.2, vocab_size=8000, eval_every=1000,
-                      precision="auto", ema=0.999),
-    "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=1400, lm_batch=24,
-                     lm_window=128, lr=1.5e-3, warmup=200, vocab_size=4000, eval_every=500, precision="auto", ema=0.999),
+                      precision="bf16-autocast", ema=0.999),
+    "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=5000, lm_batch=24,
+                     lm_window=128, lr=1.5e-3, warmup=200, weight_decay=0.1, vocab_size=4000, eval_every=500,
+                     precision="bf16-autocast", ema=0.999),
 }
 
 def recipe(task: str, **overrides) -> TrainConfig:
