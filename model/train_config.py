@@ -51,7 +51,7 @@ class TrainConfig:
 # (7d913c6, 2026-11-30); the decay's time scale 1 / (lr x wd) should keep its share of a ~4,500-step run, so 0.2.
 # Figures and commands in docs/training.md.
 RECIPES: dict[str, dict] = {
-    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=8000,
+    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=6000,
                       batch_tokens=3000, lr=2e-3, warmup=400, weight_decay=0.2, vocab_size=8000, eval_every=1000,
                       precision="bf16-autocast", ema=0.999),
     "generate": dict(task="generate", preset="small", out="artifacts/ckpt/generate", steps=5000, lm_batch=24,
