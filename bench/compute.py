@@ -30,29 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from model.provenance import cpu_flags, cpu_model
+
 PACKAGES = ("numpy", "onnxruntime", "onnx", "ray", "ctranslate2", "torch", "httpx")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile")
-                        if f in have]
-    except OSError:
-        pass
-    return []
 
 
 def _ram_gib() -> float | None:
@@ -84,7 +64,7 @@ def machine(root: Path | None = None) -> dict[str, Any]:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    return {"cpu": _cpu_model(), "cpu_flags": _cpu_flags(), "logical_cpus": os.cpu_count(),
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "logical_cpus": os.cpu_count(),
             "ram_gib": _ram_gib(), "os": f"{platform.system()} {platform.release()}",
             "python": platform.python_version(), "versions": versions,
             "git": _git(root or Path.cwd()), "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -7,7 +7,8 @@
     kvserve import    a Hugging Face Marian / OPUS-MT checkpoint -> verified model bundle
     kvserve translate translate stdin to stdout (a sentence per line) with a translation bundle, in-process
     kvserve serve     serve bundles with Ray Serve
-    kvserve up        what `make serve` runs: data, train and export if missing, then serve
+    kvserve publish   trained checkpoint -> published model (float16 weights + provenance manifest)
+    kvserve up        what `make serve` runs: the published models exported and served (--train: rebuilt first)
     kvserve loadtest  load-test a running server
 
 Heavy modules are imported inside the subcommand that needs them, so the serving install (no torch)
@@ -68,7 +69,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from kvserve.up import up
 
-    return up(Path(args.artifacts), config=args.config, preset=args.preset, host=args.host,
+    return up(Path(args.artifacts), config=args.config, host=args.host, train=args.train, serve=args.serve,
               time_budget_s=args.time_budget_s)
 
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_data, _add_train, _add_evaluate, _add_up):
         add(sub)
     # Subcommands whose parser lives with their code; one whose module is not installed is left out.
-    for module in ("kvserve.export", "kvserve.importer", "kvserve.translate", "kvserve.serve", "loadtest.cli",
+    for module in ("kvserve.export", "kvserve.publish", "kvserve.importer", "kvserve.translate", "kvserve.serve", "loadtest.cli",
                    "bench.cli"):
         _register(sub, module)
     return p
@@ -142,16 +143,21 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
-    u = sub.add_parser("up", help="data, train and export if missing, then serve (what `make serve` runs)",
-                       description="Prepare data, train the default models and export bundles when they do not "
-                                   "exist yet, then serve both models with Ray Serve on http://127.0.0.1:8000 "
-                                   "(this machine only, unless --host says otherwise).")
+    u = sub.add_parser("up", help="serve the published models (what `make serve` runs); --train rebuilds them first",
+                       description="Export the published models (published/<task>) to bundles when they have none "
+                                   "yet, then serve both with Ray Serve on http://127.0.0.1:8000 (this machine only, "
+                                   "unless --host says otherwise). --train rebuilds the data and both models from "
+                                   "nothing (resuming an interrupted run), publishes them into ARTIFACTS/published "
+                                   "with their metrics set against the repository's, and serves those.")
     u.add_argument("--artifacts", default="artifacts", help="where data, checkpoints and bundles live")
     u.add_argument("--config", default="deploy/serve_config.yaml", help="Ray Serve config file")
-    u.add_argument("--preset", default="small", choices=("tiny", "small", "base"))
+    u.add_argument("--train", action="store_true",
+                   help="rebuild data and models from nothing (hours on 2 cores; `make train`)")
+    u.add_argument("--no-serve", dest="serve", action="store_false",
+                   help="stop before serving; with --train, exit 1 when a metric is outside the published tolerance")
     u.add_argument("--time-budget", dest="time_budget_s", type=float,
-                   help="cap each model's training at this many seconds (default: none; the recipes' steps give the "
-                        "same models on every machine, a budget a faster start at a lower quality)")
+                   help="with --train: cap each model's training at this many seconds (default: none; the recipes' "
+                        "steps give the published models, a budget a faster run at a lower quality)")
     u.add_argument("--host", help="HTTP host to bind (default: the config's http_options.host, 127.0.0.1: this "
                                   "machine only); binding beyond loopback without an API key warns at start")
     u.set_defaults(func=_cmd_up)

@@ -28,6 +28,7 @@ from export.evaluate import DEFAULT_DATA_DIR
 
 DEFAULT_OPSET = 24
 PARITY_SLOTS = 8
+GATE_SLOTS = 32  # rows decoded at once by the quality gate (export/quality_gate.py): its sets in few batches
 
 
 class ExportError(ValueError):
@@ -49,9 +50,11 @@ def _prepare_out(out: Path, force: bool) -> Path:
 def _versions() -> dict[str, str]:
     import onnx
     import onnxruntime
+    import onnxscript
     import torch
 
-    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
+            "onnxruntime": onnxruntime.__version__}
 
 
 def build_bundle(checkpoint: Path, out: Path, variant: Variant = Variant.FP32, force: bool = False,
@@ -139,6 +142,8 @@ def _validate(work: Path, ckpt: Any, variant: Variant, checkpoint: Path, check_s
                               f"identical on {syn['rows_greedy_identical']}/{syn['rows']} rows; the bundle was "
                               f"not written")
         parity[key] = syn
+    if variant is not Variant.FP32:
+        parity["quality_gate"] = _quality_gate(bundle, ckpt, variant)
     n = (0 if variant is Variant.FP32 else 200) if check_sentences is None else check_sentences
     if n > 0 and data.is_prepared(Path(data_dir), ckpt.task):
         real = real_parity(work, checkpoint, n, data_dir, ort_runtime(provider="cpu"))
@@ -150,6 +155,23 @@ def _validate(work: Path, ckpt: Any, variant: Variant, checkpoint: Path, check_s
     return parity
 
 
+def _quality_gate(bundle: Any, ckpt: Any, variant: Variant) -> dict[str, Any]:
+    """The variant on the CPU EP against the fp32 PyTorch model on the task's fixed set (export/quality_gate.py);
+    ExportError beyond the bound."""
+    from export import quality_gate
+    from export.parity import TorchRuntime
+    from kvserve.runtime import ort_runtime
+
+    rt = ort_runtime(provider="cpu")(bundle, GATE_SLOTS)
+    ref = TorchRuntime(ckpt.model, GATE_SLOTS, ckpt.tokenizer.special_ids)
+    result = quality_gate.measure(ckpt.task, ref, rt, ckpt.tokenizer)
+    try:
+        quality_gate.check(result, f"the {variant.value} variant")
+    except quality_gate.QualityGateError as e:
+        raise ExportError(f"{e}; the bundle was not written") from e
+    return result
+
+
 def _report(out: Path, manifest: dict[str, Any]) -> str:
     sizes = {name: f"{(out / name).stat().st_size / 1e6:.2f} MB" for name in manifest["files"]}
     p = manifest["parity"]
@@ -158,6 +180,10 @@ def _report(out: Path, manifest: dict[str, Any]) -> str:
              *(f"parity (synthetic, CPU EP, {p[k]['graph']}.onnx): logits max-abs {p[k]['logits_max_abs']:.3g}, "
                f"greedy identical {p[k]['rows_greedy_identical']}/{p[k]['rows']} rows"
                for k in ("synthetic_cpu", "synthetic_cpu_portable") if k in p)]
+    if p.get("quality_gate"):
+        g = p["quality_gate"]
+        lines.append(f"quality gate ({g['set']}): {g['metric']} {g['variant']} vs fp32 {g['reference']} "
+                     f"(delta {g['delta']:+}, bound {g['max_loss']}): passed")
     if p.get("test_split_cpu"):
         lines.append("parity (test split): " + json.dumps(p["test_split_cpu"]))
     if p.get("note"):

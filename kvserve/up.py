@@ -1,78 +1,148 @@
-"""`kvserve up` (what `make serve` runs): whatever is missing is made, then both models are served.
+"""`kvserve up` (what `make serve` runs): the published models exported to bundles, then served.
 
-    data      artifacts/data/{translate,generate}      kvserve data
-    train     artifacts/ckpt/{translate,generate}      kvserve train   (one after the other, two cores each, the
-                                                                       recipes' steps or --time-budget)
-    export    artifacts/bundles/{translate,generate}   kvserve export
+    export    artifacts/bundles/{translate,generate}   kvserve export published/<task>   (~15 s each)
     serve     Ray Serve on http://127.0.0.1:8000       kvserve serve   (--host to bind beyond loopback)
 
-Each stage is the same subcommand a user would run by hand (so its progress display is what they see),
-and a stage whose output exists is skipped: later runs go straight to serving.
+`kvserve up --train` (`make train` adds --no-serve) rebuilds the models from nothing instead, each stage the
+subcommand a user would run by hand:
+
+    data      artifacts/data/{translate,generate}      kvserve data
+    train     artifacts/ckpt/{translate,generate}      kvserve train   (both recipes side by side, one thread
+                                                                       each, as the published models were trained;
+                                                                       an interrupted run resumes)
+    publish   artifacts/published/{translate,...}      kvserve publish --compare published/<task>
+    export, serve                                      as above, from artifacts/published
+
+A bundle is exported again only when its weights are not the ones to serve (a new published model after a
+pull, or a retrained one); otherwise later runs go straight to serving.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-TASKS = ("translate", "generate")
-PACE_STEPS = (5, 30)  # as model/train.py (which needs torch; this module does not)
+from model.published import PUBLISHED_DIR, TASKS, read_manifest
+
+PROGRESS_EVERY_S = 60  # how often `up --train` prints where each training run is
 
 
 def _kvserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvserve.cli", *args]
 
 
-def _run(cmd: list[str], what: str) -> None:
+def _run(cmd: list[str], what: str, check: bool = True) -> int:
     print(f"==> {what}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     t0 = time.time()
-    subprocess.run(cmd, check=True)
+    rc = subprocess.run(cmd, check=check).returncode
     print(f"==> {what}: done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    return rc
 
 
-def _train_missing(art: Path, tasks: list[str], preset: str, time_budget_s: float | None = None) -> None:
-    """Train the missing models one after the other, each on both cores for its recipe's optimizer steps
-    (`model/train_config.py` RECIPES), or until `time_budget_s` of training each. Measured (bf16): a run alone on
-    two cores made 3.1 steps/s, each of two runs at once on one core 2.2, so one at a time trains each model more."""
-    from model.train_config import RECIPES  # torch-free
+def _last_progress(log: Path) -> str:
+    """The last progress-bar state of a training log (tqdm writes carriage returns, not newlines)."""
+    try:
+        tail = log.read_bytes()[-4000:].decode("utf-8", "replace")
+    except OSError:
+        return "starting"
+    parts = [p.strip() for p in tail.replace("\r", "\n").split("\n") if p.strip()]
+    return parts[-1][:160] if parts else "starting"
 
-    plan = ", then ".join(f"{t} ({RECIPES[t]['steps']:,} steps)" for t in tasks)
-    budget = f", at most {time_budget_s / 60:.0f} min each" if time_budget_s else ""
-    print(f"==> training {plan}{budget}: the same weights on every machine for the same steps. Each run prints its "
-          f"speed on this machine and its wait after its first {PACE_STEPS[1]} steps; `kvserve up --time-budget "
-          f"SECONDS` (make serve TIME_BUDGET=SECONDS) caps each run's training, at a lower quality.",
-          file=sys.stderr, flush=True)
+
+def train_all(art: Path, tasks: list[str], time_budget_s: float | None = None) -> None:
+    """Train `tasks` side by side, one thread each (as the published models were: two one-thread runs make more
+    steps in all than one two-thread run after the other), each logging to artifacts/ckpt/<task>/train.log; an
+    interrupted run resumes from its last save."""
+    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     for task in tasks:
         out = art / "ckpt" / task
-        cmd = _kvserve("train", "--task", task, "--preset", preset, "--out", str(out),
-                       "--data-dir", str(art / "data"), "--threads", "2")
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = _kvserve("train", "--task", task, "--out", str(out), "--data-dir", str(art / "data"), "--threads", "1")
         if time_budget_s:
             cmd += ["--time-budget", str(time_budget_s)]
         if (out / "train_state.pt").is_file() and not (out / "metrics.json").is_file():
-            cmd.append("--resume")  # an interrupted run continues where it stopped
-        try:
-            _run(cmd, f"train {task}")
-        except subprocess.CalledProcessError as e:
-            raise RuntimeError(f"training failed for {task} (exit {e.returncode}); see the output above") from e
+            cmd.append("--resume")
+        log = out / "train.log"
+        print(f"==> train {task}: {' '.join(cmd[2:])} (log: {log})", file=sys.stderr, flush=True)
+        procs[task] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "ab")), log)
+    while any(p.poll() is None for p, _ in procs.values()):
+        time.sleep(PROGRESS_EVERY_S)
+        for task, (p, log) in procs.items():
+            state = "done" if p.poll() == 0 else _last_progress(log)
+            print(f"==> {task}: {state}", file=sys.stderr, flush=True)
+    failed = [t for t, (p, _) in procs.items() if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"training failed for {', '.join(failed)}; see artifacts/ckpt/<task>/train.log")
 
 
-def up(art: Path, config: str = "deploy/serve_config.yaml", preset: str = "small", host: str | None = None,
-       time_budget_s: float | None = None) -> int:
+def _weights_sha(model_dir: Path) -> str:
+    return read_manifest(model_dir)["weights"]["sha256"]
+
+
+def _bundle_is_current(bundle: Path, model_dir: Path) -> bool:
+    """The bundle exists and was exported from the weights of `model_dir`."""
+    manifest = bundle / "manifest.json"
+    if not manifest.is_file():
+        return False
+    source = json.loads(manifest.read_text()).get("source", {})
+    return source.get("weights_sha256") == _weights_sha(model_dir)
+
+
+def export_models(art: Path, models: Path) -> None:
+    """Export each model of `models` (published/<task>) that has no current bundle under artifacts/bundles."""
+    for task in TASKS:
+        model_dir, bundle = models / task, art / "bundles" / task
+        if _bundle_is_current(bundle, model_dir):
+            continue
+        _run(_kvserve("export", str(model_dir), "--out", str(bundle), "--force"), f"export {task}")
+        want, got = read_manifest(model_dir)["version"], json.loads((bundle / "manifest.json").read_text())["version"]
+        if want != got:
+            print(f"==> note: the {task} bundle's version is {got}, the published manifest says {want}: the export "
+                  f"ran with other library versions than the manifest's `bundle.export` (the weights are the same "
+                  f"and passed the parity check)", file=sys.stderr, flush=True)
+
+
+def retrain(art: Path, time_budget_s: float | None = None) -> bool:
+    """Data, both recipes and their publication into artifacts/published, compared with the repository's
+    published models; True when every metric is within the tolerance."""
     from model.data import is_prepared  # torch-free
 
-    t0 = time.time()
     if not all(is_prepared(art / "data", t) for t in TASKS):
         _run(_kvserve("data", "--task", "all", "--out", str(art / "data")), "data")
-    need_bundle = [t for t in TASKS if not (art / "bundles" / t / "manifest.json").is_file()]
-    need_train = [t for t in need_bundle if not (art / "ckpt" / t / "metrics.json").is_file()]
-    if need_train:
-        _train_missing(art, need_train, preset, time_budget_s)
-    for task in need_bundle:
-        _run(_kvserve("export", str(art / "ckpt" / task), "--out", str(art / "bundles" / task), "--force"),
-             f"export {task}")
-    print(f"==> artifacts ready in {time.time() - t0:.0f}s; starting the server", file=sys.stderr, flush=True)
+    need = [t for t in TASKS if not (art / "ckpt" / t / "metrics.json").is_file()]
+    if need:
+        train_all(art, need, time_budget_s)
+    ok = True
+    for task in TASKS:
+        done, trained = art / "published" / task / "manifest.json", art / "ckpt" / task / "metrics.json"
+        if done.is_file() and done.stat().st_mtime > trained.stat().st_mtime and not need:
+            continue  # published after its training ended, and compared then
+        cmd = _kvserve("publish", str(art / "ckpt" / task), "--out", str(art / "published" / task), "--force",
+                       "--data-dir", str(art / "data"))
+        if (PUBLISHED_DIR / task / "manifest.json").is_file():
+            cmd += ["--compare", str(PUBLISHED_DIR / task)]
+        ok &= _run(cmd, f"publish {task}", check=False) == 0
+    return ok
+
+
+def up(art: Path, config: str = "deploy/serve_config.yaml", host: str | None = None, train: bool = False,
+       serve: bool = True, time_budget_s: float | None = None) -> int:
+    t0 = time.time()
+    models = PUBLISHED_DIR
+    if train:
+        reproduced = retrain(art, time_budget_s)
+        print(f"==> retrained models {'reproduce' if reproduced else 'do NOT reproduce'} the published metrics "
+              f"(artifacts/published/<task>/manifest.json)", file=sys.stderr, flush=True)
+        models = art / "published"
+        if not serve:
+            return 0 if reproduced else 1
+    export_models(art, models)
+    print(f"==> bundles ready in {time.time() - t0:.0f}s; starting the server", file=sys.stderr, flush=True)
+    if not serve:
+        return 0
     os.execv(sys.executable, _kvserve("serve", "--config", config, "--artifacts", str(art),
                                       *(("--host", host) if host else ())))
     return 0  # not reached

@@ -22,6 +22,7 @@ from model import data as data_mod
 from model.checkpoint import TOKENIZER, load_model_config, load_train_state, save_checkpoint
 from model.config import ModelConfig, preset
 from model.precision import Bf16Twin
+from model.provenance import git_commit, machine, package_versions
 from model.step import make_optimizer
 from model.tokenizer import Tokenizer
 from model.train_config import TrainConfig
@@ -44,6 +45,7 @@ class TrainRun:
     history: list[dict] = field(default_factory=list)  # train losses and validations, as in metrics.json
     weights: str | None = None  # which weights are kept, "last" or "ema", once chosen at the end
     twin: Bf16Twin | None = None  # the bf16 twin that computes the steps, when cfg.precision is "bf16"
+    starts: list[dict] = field(default_factory=list)  # each (re)start: its step, commit, machine, library versions
 
     def set_precision(self, precision: str) -> None:
         """Train in `precision` from now on (not "auto": model/step.py choose_precision resolves that)."""
@@ -81,6 +83,8 @@ def start_run(cfg: TrainConfig, resume: bool = False) -> TrainRun:
         restore_train_state(run, state)
     if cfg.ema:
         run.avg = WeightAverage(model, cfg.ema, state.get("ema") if state else None)
+    run.starts.append({"step": run.step, "commit": git_commit(), "machine": machine(),
+                       "versions": package_versions()})
     return run
 
 
@@ -95,13 +99,14 @@ def restore_train_state(run: TrainRun, state: dict) -> None:
     if "precision" in state:  # a resumed run keeps the precision it chose
         run.set_precision(state["precision"])
     run.history = json.loads(state["history"])
+    run.starts = json.loads(state.get("starts", "[]"))
 
 
 def train_state(run: TrainRun) -> dict:
     """The run as it is in training (the last weights in the model, the average beside them), for --resume."""
     state = {"model": copy.deepcopy(run.model.state_dict()), "optimizer": run.opt.state_dict(),  # tied stay one
              "torch_rng": torch.get_rng_state(), "step": run.step, "elapsed": run.elapsed,
-             "history": json.dumps(run.history), "precision": run.cfg.precision}
+             "history": json.dumps(run.history), "precision": run.cfg.precision, "starts": json.dumps(run.starts)}
     if run.avg:
         state["ema"] = copy.deepcopy(run.avg.shadow)
     return state
@@ -111,7 +116,7 @@ def save_run(run: TrainRun, metrics: dict | None = None) -> None:
     """A checkpoint of the kept weights (the average once it is chosen) with the train state as in training
     beside it, so that --resume continues the run exactly also after the average was kept."""
     state = train_state(run)
-    meta = {"train_config": asdict(run.cfg), "parameters": count_parameters(run.model)}
+    meta = {"train_config": asdict(run.cfg), "parameters": count_parameters(run.model), "starts": run.starts}
     if run.weights:
         meta["weights"] = run.weights
     meta.update(step=run.step, elapsed_s=round(run.elapsed, 1), metrics=metrics or {})

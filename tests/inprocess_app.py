@@ -28,8 +28,11 @@ SLOTS = 4
 
 
 class InProcessServer:
-    def __init__(self, limits: Limits, api_key: str | None = None, metrics_require_key: bool = False) -> None:
+    def __init__(self, limits: Limits, api_key: str | None = None, metrics_require_key: bool = False,
+                 bundles: dict[str, Any] | None = None) -> None:
+        """`bundles`: model name -> bundle directory (default: the tiny translate and generate bundles)."""
         self.limits, self.api_key, self.metrics_require_key = limits, api_key, metrics_require_key
+        self.bundles = bundles
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="inprocess-app", daemon=True)
         self._thread.start()
@@ -42,8 +45,8 @@ class InProcessServer:
     async def _start(self) -> None:
         recorder = Recorder("prometheus")
         services = {}
-        for name in ("translate", "generate"):
-            bundle, _ = cached_bundle(name)
+        bundles = self.bundles or {name: cached_bundle(name)[0] for name in ("translate", "generate")}
+        for name, bundle in bundles.items():
             spec = ModelSpec(name=name, bundle=bundle,
                              engine=ReplicaKnobs(max_slots=SLOTS, provider="cpu", intra_op_threads=1))
             engine = Engine.from_bundle(bundle, engine_config(spec, BatchingKnobs(max_waiting=8), self.limits))

@@ -79,33 +79,66 @@ def test_kvserve_up_and_make_serve_pass_the_host_through(art, monkeypatch):
     import model.data
     from kvserve import cli, up
 
-    execs = []
+    execs, exported = [], []
     monkeypatch.setattr(model.data, "is_prepared", lambda *a: True)
+    monkeypatch.setattr(up, "export_models", lambda art, models: exported.append(models))
     monkeypatch.setattr(up.os, "execv", lambda exe, argv: execs.append(argv))
     assert cli.main(["up", "--artifacts", str(art)]) == 0
     assert cli.main(["up", "--artifacts", str(art), "--host", "0.0.0.0"]) == 0
     assert "--host" not in execs[0] and execs[1][-2:] == ["--host", "0.0.0.0"]
+    assert exported == [up.PUBLISHED_DIR] * 2  # the published models, no training
     dry = {h: subprocess.run(["make", "-n", "serve", *h], cwd=ROOT, capture_output=True,
                              text=True).stdout for h in ((), ("HOST=0.0.0.0",))}
     assert "kvserve up --artifacts artifacts" in dry[()] and "--host" not in dry[()]
     assert "--host 0.0.0.0" in dry[("HOST=0.0.0.0",)]
 
 
-def test_kvserve_up_trains_the_recipes_steps_and_passes_a_time_budget_through(tmp_path, monkeypatch, capsys):
+def test_kvserve_up_exports_only_bundles_whose_weights_are_not_the_published_ones(tmp_path, monkeypatch):
     from kvserve import up
 
+    models = tmp_path / "published"
+    for task, sha in (("translate", "a" * 64), ("generate", "b" * 64)):
+        (models / task).mkdir(parents=True)
+        (models / task / "manifest.json").write_text(json.dumps({"weights": {"sha256": sha}, "version": "v1"}))
+    bundle = tmp_path / "art" / "bundles" / "translate"
+    bundle.mkdir(parents=True)
+    (bundle / "manifest.json").write_text(json.dumps({"source": {"weights_sha256": "a" * 64}, "version": "v1"}))
     runs = []
-    monkeypatch.setattr(up, "_run", lambda cmd, what: runs.append(cmd))
-    up._train_missing(tmp_path, ["translate", "generate"], "small")
-    assert [c[c.index("--task") + 1] for c in runs] == ["translate", "generate"]
-    assert not any("--time-budget" in c for c in runs)  # the recipes' steps: the same models on every machine
-    plan = capsys.readouterr().err
-    assert "translate (4,500 steps), then generate (1,400 steps)" in plan and "--time-budget" in plan
-    runs.clear()
-    up._train_missing(tmp_path, ["generate"], "small", time_budget_s=300.0)
-    assert runs[0][-2:] == ["--time-budget", "300.0"] and "at most 5 min each" in capsys.readouterr().err
-    dry = subprocess.run(["make", "-n", "serve", "TIME_BUDGET=300"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert "--time-budget 300" in dry
+
+    def run(cmd, what, check=True):
+        runs.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "manifest.json").write_text(json.dumps({"version": "v2"}))  # another version: a note, no failure
+        return 0
+    monkeypatch.setattr(up, "_run", run)
+    up.export_models(tmp_path / "art", models)
+    assert [c[c.index("export") + 1] for c in runs] == [str(models / "generate")]  # translate is current
+
+
+def test_kvserve_up_train_trains_both_recipes_side_by_side_and_resumes(tmp_path, monkeypatch):
+    from kvserve import up
+
+    started = []
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+        def poll(self):
+            return 0
+    monkeypatch.setattr(up.subprocess, "Popen", Proc)
+    (tmp_path / "ckpt" / "generate").mkdir(parents=True)
+    (tmp_path / "ckpt" / "generate" / "train_state.pt").write_bytes(b"")  # an interrupted run
+    up.train_all(tmp_path, ["translate", "generate"], time_budget_s=300.0)
+    assert [c[c.index("--task") + 1] for c in started] == ["translate", "generate"]
+    assert all(c[c.index("--threads") + 1] == "1" and "--time-budget" in c for c in started)
+    assert "--resume" not in started[0] and started[1][-1] == "--resume"
+    monkeypatch.undo()  # subprocess.Popen again
+    dry = subprocess.run(["make", "-n", "train", "TIME_BUDGET=300"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "kvserve up --train --no-serve" in dry and "--time-budget 300" in dry
 
 
 # -- slow: the real cluster -------------------------------------------------------------------------------------

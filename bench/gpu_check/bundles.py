@@ -1,8 +1,8 @@
 """The gpu check's bundles: fp32 and fp16 bundles of each task, with the checkpoint they came from.
 
-Source per task: the trained checkpoint `ARTIFACTS/ckpt/<task>` when it exists (the real models), else the
-tiny preset fitted for a few steps on built-in sentences (model/tiny.py), so a bare checkout needs no
-artifacts. Each variant is exported with `kvserve export`'s own pipeline (kvserve/export.build_bundle:
+Source per task: the checkpoint trained here, `ARTIFACTS/ckpt/<task>`, when it exists, else the published
+model (published/<task>, in every checkout), else the tiny preset fitted for a few steps on built-in sentences
+(model/tiny.py). Each variant is exported with `kvserve export`'s own pipeline (kvserve/export.build_bundle:
 export, onnx checks, CPU parity) into OUT/bundles/<task>-<variant>. Without torch nothing can be exported:
 then the bundles already in ARTIFACTS/bundles/<task> (fp32) are used as they are, with no checkpoint, so the
 steps that need no PyTorch reference still run.
@@ -27,10 +27,14 @@ class Bundles:
 
 
 def checkpoint_for(task: str, artifacts: Path, work: Path, plan: Plan) -> tuple[Path, str]:
-    """(checkpoint dir, "artifacts" or "tiny") for `task`."""
+    """(checkpoint dir, "artifacts", "published" or "tiny") for `task`."""
+    from model.published import PUBLISHED_DIR
+
     real = artifacts / "ckpt" / task
     if (real / WEIGHTS).is_file():
         return real, "artifacts"
+    if (PUBLISHED_DIR / task / WEIGHTS).is_file():
+        return PUBLISHED_DIR / task, "published"
     from model.tiny import tiny_checkpoint
 
     out = work / "ckpt" / task

@@ -85,6 +85,12 @@ def _parity_table(data: dict[str, Any]) -> list[str]:
     for k, v in rows:
         out.append(f"| {k[7:]} | {v['provider']} | {v['graph']} | {v['logits_max_abs']:.3g} | {v['tolerance']:g} | "
                    f"{v['rows_greedy_identical']}/{v['rows']} |")
+    gates = [(k, v) for k, v in data.items() if k.startswith("quality_gate/")]
+    if gates:
+        out += ["", "| bundle | quality gate set | metric | fp32 PyTorch | variant on the device | delta | allowed loss |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+        out += [f"| {k[13:]} | {g['set']} | {g['metric']} | {g['reference']} | {g['variant']} | {g['delta']:+} | "
+                f"{g['max_loss']} |" for k, g in gates]
     return out + [""]
 
 
