@@ -110,8 +110,8 @@ class Artifacts:
     def require_bundle(self, name: str) -> Path:
         b = self.bundle(name)
         if not (b / "manifest.json").is_file():
-            raise FileNotFoundError(f"bundle {b} is missing (no manifest.json): train and export it first, e.g. "
-                                    f"`make serve` or `kvserve export {self.root}/ckpt/{name.split('-')[0]} --out {b}`")
+            raise FileNotFoundError(f"bundle {b} is missing (no manifest.json): export it first, e.g. "
+                                    f"`make serve` or `kvserve export published/{name.split('-')[0]} --out {b}`")
         return b
 
     def checkpoint_of(self, bundle: Path) -> Path:

@@ -87,7 +87,8 @@ def bundle_version(release: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         manifest = build_bundle(release, Path(tmp) / "bundle")
         size = sum(p.stat().st_size for p in (Path(tmp) / "bundle").iterdir())
-    return {"version": manifest["version"], "fp32_bundle_bytes": size, "export_versions": manifest["export"]}
+    versions = {k: manifest["export"][k] for k in ("torch", "onnx", "onnxscript", "onnxruntime")}
+    return {"version": manifest["version"], "fp32_bundle_bytes": size, "export_versions": versions}
 
 
 def publish(checkpoint: Path, out: Path, data_dir: Path, force: bool = False,
@@ -102,8 +103,9 @@ def publish(checkpoint: Path, out: Path, data_dir: Path, force: bool = False,
     ckpt = write_release(checkpoint, work)
     meta = json.loads((work / "checkpoint.json").read_text())
     starts = meta.get("starts") or [{}]
-    if trained_commit:  # a checkpoint trained before runs recorded their commit
-        starts[0] = {**starts[0], "commit": trained_commit}
+    if trained_commit:  # a checkpoint trained before runs recorded where they ran: published on the same machine
+        starts[0] = {"step": 0, "machine": machine(), "versions": package_versions(), **starts[0],
+                     "commit": trained_commit}
     t0 = time.perf_counter()
     metrics = measure(work, data_dir)
     built = bundle_version(work)
@@ -115,7 +117,7 @@ def publish(checkpoint: Path, out: Path, data_dir: Path, force: bool = False,
         "tokenizer": {"file": "tokenizer.json", "vocab_size": ckpt.tokenizer.vocab_size,
                       "sha256": _sha256(work / "tokenizer.json")},
         "model_config": ckpt.config.to_dict(),
-        "recipe": meta["train_config"],
+        "recipe": meta.get("train_config", {}),
         "training": {"steps": meta.get("step"), "train_seconds": meta.get("elapsed_s"),
                      "weights_kept": meta.get("weights"), "valid": meta.get("metrics"), "starts": starts},
         "data": data_record(data_dir, ckpt.task),
@@ -163,6 +165,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                    "one is outside the tolerance)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--trained-commit", default=None, help="the commit that trained a checkpoint whose run did not "
-                                                          "record it")
+                                                          "record it (trained on this machine)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.set_defaults(func=_cmd_publish)

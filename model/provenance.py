@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -65,4 +64,4 @@ def git_commit(repo: Path | None = None) -> str | None:
 def machine() -> dict[str, object]:
     """The machine a run used: CPU model and flags, logical CPUs, the platform."""
     return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "logical_cpus": os.cpu_count(),
-            "platform": f"{platform.system()} {platform.machine()}", "python_executable": Path(sys.executable).name}
+            "platform": f"{platform.system()} {platform.machine()}"}

@@ -42,14 +42,10 @@ class TrainConfig:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {list(PRECISIONS)}")
 
 
-# The default runs `make serve` trains, one after the other on both cores. Their length is a number of optimizer
-# steps, so that the same seed gives the same model on every machine; `--time-budget` trades quality for time.
-# The step counts are what the recipes reached in their former time budgets on the 2-core AMD EPYC they were
-# tuned on: the translator 4,431-4,597 steps in 19 minutes (test chrF 30.25-30.43, 846c7ba, 2026-11-30), the LM
-# 1,400 in 10 minutes (2.253 bits/char, 88865fc, 2026-11-29); the cosine decay then ended with the run, as it
-# does now at `steps`. The translator's weight decay: 0.3 was best of 0.01/0.1/0.3/1.0 in 2,400-step runs
-# (7d913c6, 2026-11-30); the decay's time scale 1 / (lr x wd) should keep its share of a ~4,500-step run, so 0.2.
-# Figures and commands in docs/training.md.
+# The runs that made the published models (published/<task>/manifest.json), and what `make train` reruns: both side
+# by side on one thread each. The length is a number of optimizer steps and the precision is pinned, so the same
+# seed gives the same weights on the same machine kind; `--time-budget` trades quality for time. Weight decay: the
+# translator's 0.2 from a sweep of 0.01/0.1/0.3/1.0 (docs/training.md); the LM's 0.1 for its longer run.
 RECIPES: dict[str, dict] = {
     "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=6000,
                       batch_tokens=3000, lr=2e-3, warmup=400, weight_decay=0.2, vocab_size=8000, eval_every=1000,

@@ -105,13 +105,16 @@ def test_kvserve_up_exports_only_bundles_whose_weights_are_not_the_published_one
     (bundle / "manifest.json").write_text(json.dumps({"source": {"weights_sha256": "a" * 64}, "version": "v1"}))
     runs = []
 
-    def run(cmd, what, check=True):
-        runs.append(cmd)
-        out = Path(cmd[cmd.index("--out") + 1])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "manifest.json").write_text(json.dumps({"version": "v2"}))  # another version: a note, no failure
-        return 0
-    monkeypatch.setattr(up, "_run", run)
+    class Export:  # writes the bundle's manifest, with another version: a note, no failure
+        def __init__(self, cmd, **kw):
+            runs.append(cmd)
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "manifest.json").write_text(json.dumps({"version": "v2"}))
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(up.subprocess, "Popen", Export)
     up.export_models(tmp_path / "art", models)
     assert [c[c.index("export") + 1] for c in runs] == [str(models / "generate")]  # translate is current
 

@@ -235,3 +235,11 @@ def test_make_train_reproduces_the_published_metrics(tmp_path):
                         str(tmp_path / "artifacts")], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "reproduce the published metrics" in r.stderr
+
+
+def test_readme_shows_the_published_models_figures():
+    """README's model table quotes the manifests (a retrained model changes both, or this fails)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    t, g = (read_manifest(PUBLISHED_DIR / task)["metrics"] for task in TASKS)
+    assert f"chrF {t['test']['chrf']}, BLEU {t['test']['bleu']}; everyday chrF {t['everyday']['chrf']}" in readme
+    assert f"{g['test']['bits_per_char']} bits/char; Hamlet excerpt {g['hamlet_excerpt']['bits_per_char']}" in readme

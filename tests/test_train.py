@@ -116,7 +116,7 @@ def test_time_budget_schedule_follows_the_clock():
 
 
 def test_resume_keeps_the_model_config_the_run_started_with(tmp_path, data_dir, monkeypatch):
-    """--resume (also `make serve` after an interrupted run) continues the saved model even when the preset
+    """--resume (also `make train` after an interrupted run) continues the saved model even when the preset
     has changed since (as when the small translator went from 3+3 to 2+4 layers, dd07eea)."""
     from model import config
 
