@@ -32,6 +32,7 @@ import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
@@ -226,7 +227,19 @@ def export_graph(module: nn.Module, contract: GraphContract, args: tuple[Tensor,
             dynamic_shapes=_dynamic_shapes(contract, varargs_from),
             opset_version=opset, dynamo=True, external_data=external, verbose=False, optimize=True)
     assert program is not None
+    _strip_source_locations(program.model)
     program.save(str(path), external_data=external)
+
+
+def _strip_source_locations(model: Any) -> None:
+    """Drop what the exporter records of the Python source per node (stack traces with file paths, module names):
+    the graph's bytes, and so the bundle's version, then depend on the weights and the code's graph only, not on
+    where the checkout lies."""
+    import onnx_ir as ir
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        node.metadata_props.clear()
+        node.doc_string = None
 
 
 @contextlib.contextmanager
