@@ -53,7 +53,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    if (path / "manifest.json").is_file():
+    if (path / "manifest.json").is_file() and not (path / "checkpoint.json").is_file():  # a bundle, not a checkpoint
         from export.evaluate import evaluate_bundle
         from kvserve.runtime import ort_runtime
 

@@ -215,11 +215,12 @@ def prepared_data() -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", TASKS)
-def test_kvserve_evaluate_on_a_published_model_gives_the_manifests_test_figures(prepared_data, task):
-    from model.evaluate import evaluate_checkpoint
+def test_kvserve_evaluate_on_a_published_model_gives_the_manifests_test_figures(prepared_data, task, capsys):
+    from kvserve import cli
 
     want = read_manifest(PUBLISHED_DIR / task)["metrics"]["test"]
-    got = evaluate_checkpoint(PUBLISHED_DIR / task, split="test", data_dir=prepared_data)
+    assert cli.main(["evaluate", str(PUBLISHED_DIR / task), "--split", "test", "--data-dir", str(prepared_data)]) == 0
+    got = json.loads(capsys.readouterr().out)
     keys = ("chrf", "bleu", "sentences") if task == "translate" else ("bits_per_char", "chars")
     assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
 
