@@ -87,3 +87,6 @@ def test_make_gpu_check_cpu_writes_every_check_by_name(tmp_path):
     assert {s["status"] for s in doc["steps"].values()} == {"ok"}
     md = (out / "gpu_check.md").read_text()
     assert "## Parity vs PyTorch (CPU)" in md and "## Server" in md and "every check passed" in md
+    gates = {k: v for k, v in doc["steps"]["parity"]["data"].items() if k.startswith("quality_gate/")}
+    assert set(gates) == {"quality_gate/generate/fp16", "quality_gate/translate/fp16"}  # fp16 judged by quality
+    assert all(g["passed"] for g in gates.values()) and "quality gate set" in md
