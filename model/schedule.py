@@ -13,7 +13,7 @@ import torch
 from model.train_config import TrainConfig
 
 # The LR at the end of the schedule, as a fraction of the peak. A linear decay to 0 instead of the cosine to
-# 5%: valid chrF 27.91 / 28.50 vs 28.08 / 28.92 at weight decay 0.01 / 0.1 (7d913c6, 2026-11-30).
+# 5% scored lower on valid at both weight decays tried (docs/training.md, "Tried, not kept").
 FINAL_LR = 0.05
 
 
