@@ -13,7 +13,6 @@ the command (this module is imported by `kvserve --help` on torch-free installs)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from export.bundle import sha256_file
 from model.published import MANIFEST, TOLERANCE, compare, everyday_pairs, lm_text, read_manifest
 
 RELEASE_DTYPE = "float16"
@@ -29,13 +29,9 @@ REPRODUCE = ("make train   # = kvserve up --train --no-serve: kvserve data --tas
              "--compare published/<task>")
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def write_release(checkpoint: Path, out: Path) -> Any:
     """The checkpoint's weights in float16, its description and tokenizer, in `out`; returns the loaded
-    checkpoint."""
+    checkpoint (its model converted to float16 in place)."""
     import torch
 
     from model.checkpoint import META, TOKENIZER, load_checkpoint, save_checkpoint
@@ -52,7 +48,7 @@ def data_record(data_dir: Path, task: str) -> dict[str, Any]:
     every file `kvserve data` wrote, so a rerun can tell whether it trained on the same bytes."""
     d = Path(data_dir) / task
     meta = json.loads((d / "meta.json").read_text())
-    files = {p.name: _sha256(p) for p in sorted(d.iterdir()) if p.is_file()}
+    files = {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file()}
     keep = ("source", "sources", "counts") if task == "translate" else ("source", "works", "chars")
     return {**{k: meta[k] for k in keep if k in meta}, "sha256": files}
 
@@ -113,9 +109,9 @@ def publish(checkpoint: Path, out: Path, data_dir: Path, force: bool = False,
         "name": ckpt.task, "task": ckpt.task, "version": built["version"],
         "weights": {"file": "model.safetensors", "dtype": RELEASE_DTYPE, "parameters": meta.get("parameters"),
                     "bytes": (work / "model.safetensors").stat().st_size,
-                    "sha256": _sha256(work / "model.safetensors")},
+                    "sha256": sha256_file(work / "model.safetensors")},
         "tokenizer": {"file": "tokenizer.json", "vocab_size": ckpt.tokenizer.vocab_size,
-                      "sha256": _sha256(work / "tokenizer.json")},
+                      "sha256": sha256_file(work / "tokenizer.json")},
         "model_config": ckpt.config.to_dict(),
         "recipe": meta.get("train_config", {}),
         "training": {"steps": meta.get("step"), "train_seconds": meta.get("elapsed_s"),

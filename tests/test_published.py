@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export.bundle import Variant, write_manifest
+from export.bundle import Variant, sha256_file, write_manifest
 from model.published import PUBLISHED_DIR, TASKS, compare, everyday_pairs, lm_text, read_manifest
 
 SIZE_LIMIT_BYTES = 40_000_000  # what the published files may weigh in all (issue: a small repository)
@@ -33,17 +33,11 @@ def fp32_bundles(tmp_path_factory) -> dict[str, Path]:
     return {task: base / task for task in TASKS}
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 @pytest.mark.parametrize("task", TASKS)
 def test_the_manifest_says_where_the_model_came_from(task):
     m, d = read_manifest(PUBLISHED_DIR / task), PUBLISHED_DIR / task
-    assert m["weights"]["sha256"] == _sha256(d / "model.safetensors") and m["weights"]["dtype"] == "float16"
-    assert m["tokenizer"]["sha256"] == _sha256(d / "tokenizer.json")
+    assert m["weights"]["sha256"] == sha256_file(d / "model.safetensors") and m["weights"]["dtype"] == "float16"
+    assert m["tokenizer"]["sha256"] == sha256_file(d / "tokenizer.json")
     recipe = m["recipe"]
     assert recipe["task"] == task and recipe["precision"] == "bf16-autocast" and isinstance(recipe["seed"], int)
     assert m["training"]["steps"] == recipe["steps"] > 0  # the whole recipe ran
