@@ -3,12 +3,14 @@
     python -m bench.soak [--minutes 30] [--artifacts artifacts] [--out docs/img] [--share 0.7]
     make soak [SOAK_MINUTES=30]
 
-Deploys the generate model on a local Ray Serve cluster (bench/autoscale.py `single_model_config`, one replica,
-16 KV slots and a short waiting room, so that bursts get 429s), measures its capacity with 32 closed-loop
+Deploys the production configuration on a local Ray Serve cluster: deploy/serve_config.yaml as `kvserve serve`
+runs it (serving/server/launch.py `prepare_config`; the images' and the RayService's configs are generated from
+the same file, deploy/gen_rayservice.py), with ARTIFACTS' bundles. Measures its capacity with 32 closed-loop
 clients, then sends an open-loop Poisson load at `share` of that rate for `minutes`: a mix of streamed and plain
 `/v1/generate`, streams the client drops after a few tokens (disconnects), clients that give up after 0.3 s
-(deadlines on the client's side) and every 30 s a burst of 64 requests at once (429s). Every 10 s it samples the
-RSS of the proxy, the ingress and the replica (by Ray's process titles) and the latency of the window. At the
+(deadlines on the client's side) and every 30 s a burst of 128 requests at once, past the 16 KV slots and the
+waiting room of 64 (429s). Every 10 s it samples the RSS of Serve's proxy actor, HAProxy, the ingress and (with
+`--placement split`) the model replica, by Ray's process titles, and the latency of the window. At the
 end: growth of each process's RSS per 10 minutes after warm-up (a least-squares slope), p99 drift (first vs last
 third), the statuses (any 5xx is a failure) and whether slots and waiting requests are back to 0.
 Also the mean CPU of each process after warm-up, and at the end the soaked server against a fresh copy deployed
@@ -31,11 +33,12 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.autoscale import single_model_config
+ROOT = Path(__file__).resolve().parents[1]
+
 
 ROLES = (("ServeReplica:kvserve:ingress", "ingress"), ("ServeReplica:kvserve:generate", "replica"),
          ("ProxyActor", "proxy"))
-SAMPLE_S, BURST_EVERY_S, BURST = 10.0, 30.0, 64
+SAMPLE_S, BURST_EVERY_S, BURST = 10.0, 30.0, 128
 KINDS = ("plain",) * 5 + ("stream",) * 3 + ("drop", "giveup")  # the soak's mix of requests
 BODY = {"prompt": "the quick brown fox", "max_tokens": 32, "temperature": 1.0}
 
@@ -221,16 +224,15 @@ def app_copy(app: dict[str, Any], name: str) -> dict[str, Any]:
     return {**json.loads(json.dumps(app)), "name": name, "route_prefix": f"/{name}"}
 
 
-def soak_config(artifacts: Path, port: int, placement: str = "colocated") -> dict[str, Any]:
-    """The soak's Serve config: one generate model, 16 KV slots, a waiting room of 16 (bursts past it: 429), the
-    model in the ingress replica (`colocated`, as `kvserve serve`) or a deployment of its own (`split`)."""
-    from serving.server.launch import colocate_models
+def soak_config(artifacts: Path, port: int, placement: str | None = None) -> dict[str, Any]:
+    """The soak's Serve config: the production one (deploy/serve_config.yaml through `prepare_config`, exactly
+    what `kvserve serve` deploys) on 127.0.0.1:`port` with `artifacts`' bundles, Serve's access log off (the
+    soak's millions of lines are not what it measures). `placement` "split" gives each model a deployment."""
+    from serving.server.launch import prepare_config
 
-    cfg = single_model_config(artifacts.resolve(), port, slots=16)
+    cfg = prepare_config(ROOT / "deploy" / "serve_config.yaml", artifacts, host="127.0.0.1", port=port,
+                         placement=placement)
     cfg["logging_config"] = {**cfg.get("logging_config", {}), "log_level": "WARNING", "enable_access_log": False}
-    cfg["applications"][0]["deployments"][1]["user_config"]["max_waiting"] = 16
-    if placement == "colocated":
-        cfg["applications"][0] = colocate_models(cfg["applications"][0])
     return cfg
 
 
@@ -324,16 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", type=Path, default=None, help="the figures' JSON (default: ARTIFACTS/bench/soak.json)")
     p.add_argument("--compare-seconds", type=float, default=60.0,
                    help="each window of the soaked-vs-fresh comparison at the end (4 windows)")
-    p.add_argument("--placement", choices=("colocated", "split"), default="colocated",
-                   help="the model in the ingress replica (kvserve serve's default) or a deployment of its own")
+    p.add_argument("--placement", choices=("colocated", "split"), default=None,
+                   help="default: as deploy/serve_config.yaml says (the models in the ingress replica); split: "
+                        "each model in a deployment of its own")
     args = p.parse_args(argv)
     from serving.server.config import validate_serve_config
-    from serving.server.launch import MALLOC_ENV, start, stop
+    from serving.server.launch import MALLOC_ENV, cpus_needed, start, stop
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cfg = validate_serve_config(soak_config(args.artifacts, port, args.placement))
-    start(cfg, timeout_s=600)
+    start(cfg, num_cpus=cpus_needed(with_fresh_copy(cfg)), timeout_s=600)  # room for the fresh copy at the end
     try:
         first = asyncio.run(capacity(base))
         rate = args.share * first
@@ -345,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop()
     warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 6)
-    result = {"minutes": args.minutes, "placement": args.placement, "rate_per_s": round(rate, 2),
+    placement = "split" if args.placement == "split" else "colocated"
+    result = {"minutes": args.minutes, "placement": placement, "rate_per_s": round(rate, 2),
               "statuses": run["statuses"], "idle_after": idle,
               "ingress_malloc_env": {k: env.get(k) for k in MALLOC_ENV},
               **summary(run["samples"], warmup_s, run["latencies"]), **aged, "samples": run["samples"]}

@@ -10,14 +10,16 @@ serving/) and what runs in images and on Kubernetes. Every difference is an expl
    host the checkout's config binds (127.0.0.1 there: a local server is for that machine only). Inside a
    container loopback would reach nothing; the API key (6) and, on Kubernetes, the NetworkPolicy guard it.
 3. The head takes no replicas: the head pod starts with num-cpus 0, and every deployment here asks for
-   some CPU (the ingress 0.25), so Ray can never place a replica there.
+   some CPU (an ingress that holds no engine 0.25), so Ray can never place a replica there.
 4. Autoscaling: each deployment gets an `autoscaling_config` instead of a fixed `num_replicas`, so Serve
-   asks for replicas under load and the KubeRay autoscaler adds worker pods to hold them. Model deployments
-   (canaries included) scale on the engine's load, KV slots in use and waiting requests
+   asks for replicas under load and the KubeRay autoscaler adds worker pods to hold them. Every deployment
+   that holds engines -- the ingress with its colocated models (the shipped placement), a model deployment,
+   a canary -- scales on the engines' load, KV slots in use and waiting requests
    (serving/server/autoscale.py `EngineLoadPolicy`, settings measured by bench/autoscale.py).
 5. ONNX Runtime provider named, never `auto`: the GPU variant runs provider=cuda (a broken CUDA setup
-   fails at replica start instead of silently falling back to the CPU) and gives each model replica half
-   a GPU (two models share one GPU per worker pod); the CPU variant runs provider=cpu.
+   fails at replica start instead of silently falling back to the CPU) and gives each engine half a GPU
+   (the shipped ingress replica, holding both models, one GPU per worker pod); the CPU variant runs
+   provider=cpu.
 6. API key from the environment: `args.api_key_env` names `API_KEY_ENV`, which the pods take from a
    Kubernetes Secret and `docker run` from `-e`/`--env-file`. A plaintext `args.api_key` is refused: Serve's
    config and REST API would show it to anyone who can read them.
@@ -105,8 +107,10 @@ def image_serve_config(cfg: dict[str, Any], variant: Variant) -> dict[str, Any]:
         models = _rewrite_bundles(app)
         _key_from_environment(app)
         stop_wait_s = _request_timeout_s(app)
+        colocated = sum(1 for m in app["args"]["models"] if m.get("colocated"))
         for dep in app.get("deployments", []):
-            _override_deployment(dep, is_model=dep["name"] in models, variant=variant)
+            _override_deployment(dep, engines=colocated if dep["name"] == INGRESS else int(dep["name"] in models),
+                                 variant=variant)
             dep["graceful_shutdown_timeout_s"] = max(dep.get("graceful_shutdown_timeout_s", 0), stop_wait_s)
         for model in app["args"]["models"]:
             model.setdefault("engine", {})["provider"] = PROVIDER[variant]
@@ -142,16 +146,17 @@ def _request_timeout_s(app: dict[str, Any]) -> float:
     return limits["request_timeout_s"]
 
 
-def _override_deployment(dep: dict[str, Any], is_model: bool, variant: Variant) -> None:
+def _override_deployment(dep: dict[str, Any], engines: int, variant: Variant) -> None:
+    """`engines`: how many model engines each replica of `dep` holds (an ingress with colocated models: theirs)."""
     dep.pop("num_replicas", None)
-    dep["autoscaling_config"] = dict(MODEL_AUTOSCALING if is_model else INGRESS_AUTOSCALING)
+    dep["autoscaling_config"] = dict(MODEL_AUTOSCALING if engines else INGRESS_AUTOSCALING)
     opts = dep.setdefault("ray_actor_options", {})
-    if dep["name"] == INGRESS:
+    if dep["name"] == INGRESS and not engines:
         opts["num_cpus"] = INGRESS_NUM_CPUS
     elif not opts.get("num_cpus"):
         raise ValueError(f"deployment {dep['name']!r} asks for no CPU; on Kubernetes it could land on the head")
-    if is_model and variant is Variant.GPU:
-        opts["num_gpus"] = GPU_PER_MODEL_REPLICA
+    if engines and variant is Variant.GPU:
+        opts["num_gpus"] = min(1.0, GPU_PER_MODEL_REPLICA * engines)
 
 
 def dump_serve_config(cfg: dict[str, Any]) -> str:

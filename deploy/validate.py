@@ -189,7 +189,9 @@ def serve_safety_errors(cfg: Doc) -> list[str]:
         if app.get("import_path") != KVSERVE_IMPORT_PATH:
             continue
         args = app.get("args") or {}
-        expected = {"ingress", *(m.get("name") for m in args.get("models") or [])}
+        models = args.get("models") or []  # a colocated model runs in the ingress; a canary always has its own
+        expected = {"ingress", *(m.get("name") for m in models if not m.get("colocated")),
+                    *(f"{m.get('name')}-canary" for m in models if m.get("canary"))}
         for missing in sorted(expected - {d["name"] for d in deployments}):
             errors.append(f"application {name!r}: deployment {missing!r} has no entry, so its queue is Serve's "
                           f"default, unbounded (max_queued_requests -1); list it with max_queued_requests and "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from serving.server.launch import DEFAULT_CONFIG, DEFAULT_PLACEMENT, PLACEMENTS
+from serving.server.launch import DEFAULT_CONFIG, PLACEMENTS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,10 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-cpus", dest="num_cpus", type=int,
                    help="logical CPUs for the local Ray instance (default: enough for the config's replicas)")
     p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard (port 8265)")
-    p.add_argument("--placement", choices=PLACEMENTS, default=DEFAULT_PLACEMENT,
-                   help="colocated (default): every model runs in the ingress replica, no hop between the API and "
-                        "the engines (the faster HTTP path; models scale with the ingress); split: each model in "
-                        "its own deployment, as the config file lists them (models scale on their own)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=None,
+                   help="where the models run (default: as the config says; the shipped config colocates them): "
+                        "colocated: every model in the ingress replica, no hop between the API and the engines "
+                        "(models scale with the ingress); split: each model in a deployment of its own (models "
+                        "scale on their own; one more process hop per request and per streamed chunk)")
     p.set_defaults(func=_cmd_serve)
 
 

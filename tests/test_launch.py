@@ -166,7 +166,7 @@ def test_the_deployed_default_config_answers_only_on_loopback(rel):
         socket.create_connection((other, port), timeout=5).close()
 
 
-def test_kvserve_serve_colocates_the_models_unless_told_to_split(art, monkeypatch):
+def test_kvserve_serve_runs_the_files_colocated_placement_unless_told_to_split(art, monkeypatch):
     from kvserve.cli import main
 
     seen = {}
@@ -175,24 +175,38 @@ def test_kvserve_serve_colocates_the_models_unless_told_to_split(art, monkeypatc
         seen["raw"] = raw
         raise KeyboardInterrupt
     monkeypatch.setattr(launch, "start", start)
+    file_app = yaml.safe_load(CONFIG.read_text())["applications"][0]
+    knobs = next(d for d in file_app["deployments"] if d["name"] == "ingress")["user_config"]["models"]
     for argv, colocated in ((["serve"], True), (["serve", "--placement", "split"], False)):
         assert main([*argv, "--artifacts", str(art)]) == 0
         app = seen["raw"]["applications"][0]
-        names = {d["name"] for d in app["deployments"]}
+        deps = {d["name"]: d for d in app["deployments"]}
         assert all(m.get("colocated", False) is colocated for m in app["args"]["models"])
-        assert names == ({"ingress"} if colocated else {"ingress", "translate", "generate"})
-    ingress = next(d for d in seen["raw"]["applications"][0]["deployments"] if d["name"] == "ingress")
-    assert ingress["ray_actor_options"]["num_cpus"] == 0  # split: the ingress as the file says
+        assert set(deps) == ({"ingress"} if colocated else {"ingress", "translate", "generate"})
+    assert deps["ingress"]["ray_actor_options"]["num_cpus"] == 0  # split: the engines' CPUs go with them
+    for name in ("translate", "generate"):
+        assert deps[name]["user_config"] == knobs[name] and deps[name]["ray_actor_options"] == {"num_cpus": 1}
+        assert deps[name]["max_queued_requests"] == deps["ingress"]["max_queued_requests"]
+        assert deps[name]["max_ongoing_requests"] >= 16 + knobs[name]["max_waiting"]
+
+
+def test_split_then_colocated_gives_back_the_shipped_config(art, tmp_path):
+    split = launch.prepare_config(CONFIG, artifacts=art, placement="split")
+    path = tmp_path / "split.yaml"
+    path.write_text(yaml.safe_dump(split))
+    again = launch.prepare_config(path, artifacts=art, placement="colocated")
+    assert again == launch.prepare_config(CONFIG, artifacts=art)
 
 
 def test_a_model_with_several_replicas_is_not_colocated_silently(art, tmp_path):
-    raw = yaml.safe_load(CONFIG.read_text())
+    raw = launch.prepare_config(CONFIG, artifacts=art, placement="split")
     next(d for d in raw["applications"][0]["deployments"] if d["name"] == "generate")["num_replicas"] = 2
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match="'generate' asks for several replicas .* --placement split"):
         launch.prepare_config(path, artifacts=art, placement="colocated")
-    assert launch.prepare_config(path, artifacts=art)["applications"][0]["deployments"][2]["num_replicas"] == 2
+    deps = {d["name"]: d for d in launch.prepare_config(path, artifacts=art)["applications"][0]["deployments"]}
+    assert deps["generate"]["num_replicas"] == 2
 
 
 def test_haproxy_listener_ports_are_picked_below_the_ephemeral_range(tmp_path):

@@ -234,6 +234,36 @@ def colocate(app: dict[str, Any], models: list[str]) -> dict[str, Any]:
     return app
 
 
+# What a model deployment made by `split` gets besides its batching knobs: Ray's bounds as the ingress has them,
+# its own CPU, and room for its KV slots and waiting room in max_ongoing_requests.
+SPLIT_COPIED_OPTIONS = ("max_queued_requests", "backpressure_config", "graceful_shutdown_timeout_s",
+                        "max_surge_percent")
+
+
+def split(app: dict[str, Any], models: list[str]) -> dict[str, Any]:
+    """The inverse of `colocate`: each of `models` (colocated in the ingress replica) gets a deployment of its
+    own, one replica holding `intra_op_threads` CPUs, with the batching knobs the ingress's user_config held for
+    it and the ingress's queue bounds; the ingress gives those CPUs back. Changes `app` in place, returns it."""
+    deployments = app.setdefault("deployments", [])
+    ingress = next((d for d in deployments if d["name"] == INGRESS_DEPLOYMENT), None) or {}
+    knobs = (ingress.get("user_config") or {}).get("models", {})
+    actor = ingress.setdefault("ray_actor_options", {})
+    for spec in app["args"]["models"]:
+        if spec["name"] not in models or not spec.get("colocated"):
+            continue
+        spec["colocated"] = False
+        live = knobs.pop(spec["name"], {})
+        parsed, engine = BatchingKnobs.model_validate(live), ReplicaKnobs.model_validate(spec.get("engine") or {})
+        cpus = engine.intra_op_threads or 1
+        actor["num_cpus"] = max(0, actor.get("num_cpus", 0) - cpus)
+        deployments.append({
+            "name": spec["name"], "num_replicas": 1,
+            "max_ongoing_requests": max(engine.max_slots + parsed.max_waiting, parsed.max_batch_size),
+            **{key: ingress[key] for key in SPLIT_COPIED_OPTIONS if key in ingress},
+            "ray_actor_options": {"num_cpus": cpus}, "user_config": live})
+    return app
+
+
 def load_serve_config(path: str | Path, artifacts_dir: str | Path | None = None) -> dict[str, Any]:
     """Read a Serve config file and validate it (see `validate_serve_config`); returns the dict."""
     with open(path, encoding="utf-8") as f:

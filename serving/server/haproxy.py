@@ -9,7 +9,12 @@ The wrapper
   flood of scrapers is answered by HAProxy and reaches the ingress about once a second (docs/reliability.md). It
   keeps only what the answer allows (`Cache-Control: public, max-age=1` while /metrics is open,
   serving/server/api.py; `private, no-store` behind the key), never for a request with an Authorization header,
-  one entry per Accept-Encoding.
+  one entry per Accept-Encoding;
+- answers what HAProxy itself refuses as kvserve does (ERROR_FILES): no replica could answer (Serve's 502/503,
+  which it rewrites to a bare 500) is a JSON 503 `unavailable` with `Retry-After: 1`, a replica that took past
+  Serve's backstop deadline a JSON 504 `deadline_exceeded`. With serving/server/launch.py HAPROXY_RETRY_ENV a
+  request whose replica died before answering is first retried on a live one; this is what a client gets only
+  when none is left.
 
 `kvserve serve` points Ray at it (serving/server/launch.py `use_fast_data_plane`); the images install it as
 /opt/venv/bin/haproxy-kvserve (deploy/docker/Dockerfile.*). Does not own: Serve's config template (Ray's).
@@ -40,10 +45,40 @@ cache kvserve_metrics\\
 """
 
 
+# HTTP status HAProxy answers by itself -> (kvserve's error type, message, Retry-After seconds or None).
+ERROR_FILES = {
+    502: ("unavailable", "no replica could answer the request (a replica stopped before answering); retry", 1),
+    503: ("unavailable", "no replica is available to answer the request; retry", 1),
+    504: ("deadline_exceeded", "the replica did not answer within the server's deadline", None),
+}
+
+
+def error_file(status: int) -> str:
+    """The raw HTTP answer HAProxy sends for `status` (an `errorfile`): kvserve's JSON error body."""
+    import json
+
+    from serving.server.errors import ErrorKind, error_body
+
+    kind, message, retry_after = ERROR_FILES[status]
+    answer = {"unavailable": 503, "deadline_exceeded": 504}[kind]
+    body = json.dumps(error_body(ErrorKind(kind), message))
+    reason = {503: "Service Unavailable", 504: "Gateway Timeout"}[answer]
+    head = [f"HTTP/1.1 {answer} {reason}", "Content-Type: application/json", "Cache-Control: no-store",
+            *([f"Retry-After: {retry_after}"] if retry_after is not None else []),
+            f"Content-Length: {len(body.encode())}", "Connection: close"]
+    return "\r\n".join(head) + "\r\n\r\n" + body
+
+
+def _errorfile_program(directory: Path) -> str:
+    """Sed commands pointing Serve's `errorfile` lines at kvserve's answers in `directory`."""
+    return "".join(f"s|^\\([[:space:]]*errorfile {status}\\) .*$|\\1 {directory}/{status}.http|\n"
+                   for status in ERROR_FILES)
+
+
 def haproxy_wrapper(directory: Path | None = None) -> Path | None:
     """An executable that runs Serve's HAProxy binary the way kvserve wants it (see HAPROXY_BINARY_ENV): `-dS`,
-    and the config given with `-f` rewritten to `<config>.kvserve` with the /metrics cache; for
-    HAPROXY_BINARY_ENV. None when no HAProxy binary is installed (Ray then reports it)."""
+    and the config given with `-f` rewritten to `<config>.kvserve` with the /metrics cache and kvserve's error
+    answers (written beside it); for HAPROXY_BINARY_ENV. None when no HAProxy binary is installed (Ray then reports it)."""
     import shlex
     import shutil
     import tempfile
@@ -62,7 +97,9 @@ def haproxy_wrapper(directory: Path | None = None) -> Path | None:
     if st.st_uid != os.getuid() or st.st_mode & 0o022:  # someone else's, or writable by others: not to be exec'd
         directory = Path(tempfile.mkdtemp(prefix="kvserve-"))
     path, program = directory / "haproxy-kvserve", directory / "haproxy-kvserve.sed"
-    _write_atomically(program, HAPROXY_METRICS_CACHE, 0o644)
+    for status in ERROR_FILES:
+        _write_atomically(directory / f"{status}.http", error_file(status), 0o644)
+    _write_atomically(program, HAPROXY_METRICS_CACHE + _errorfile_program(directory), 0o644)
     _write_atomically(path, f"""#!/bin/sh
 # Serve's HAProxy with -dS and a /metrics cache in its config (kvserve: serving/server/haproxy.py)
 n=$# prev=

@@ -207,6 +207,10 @@ def _as_service_error(e: BaseException) -> BaseException:
     return e
 
 
+def _utilization(stats: dict[str, float]) -> float:
+    return (stats.get("running", 0.0) + stats.get("waiting", 0.0)) / max(stats.get("slots_total", 0.0), 1.0)
+
+
 @serve.deployment
 @serve.ingress()
 class Ingress:
@@ -246,12 +250,10 @@ class Ingress:
             model.check_health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """The colocated engines' load, summed (serving/server/autoscale.py); empty when there are none."""
-        stats: dict[str, float] = {}
-        for model in self.local.values():
-            for key, value in model.load_stats().items():
-                stats[key] = stats.get(key, 0.0) + value
-        return stats
+        """The load of the busiest colocated engine, (running + waiting) over its KV slots (serving/server/
+        autoscale.py): the replicas scale for the model that needs them; empty when there are none."""
+        loads = [model.load_stats() for model in self.local.values()]
+        return max(loads, key=_utilization, default={})
 
     async def __del__(self) -> None:
         """Serve waits (graceful_shutdown_*) for ongoing requests first; then the colocated engines stop."""

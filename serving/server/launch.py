@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serving.server.config import INGRESS_DEPLOYMENT, AppArgs, colocate, load_serve_config, validate_serve_config
+from serving.server.config import (INGRESS_DEPLOYMENT, AppArgs, colocate, load_serve_config, split,
+                                   validate_serve_config)
 from serving.server.haproxy import HAPROXY_BINARY_ENV, haproxy_wrapper
 
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
@@ -41,6 +42,12 @@ METRICS_REPORT_MS = 2000
 # every Ray process when it starts, so set before Ray starts; a value already in the environment wins
 # (`RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0` restores Ray's default data plane).
 DATA_PLANE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# HAProxy retries a request on another ingress replica when its replica closed the connection without an answer
+# (`empty-response`: the process died, e.g. kill -9 or out of memory) as well as when it could not connect
+# (Serve's default). kvserve's requests change nothing but the replica's own state, and a seeded one gives the
+# same answer on any replica, so the retry is safe; a streamed answer that had started is not retried (its
+# client sees the stream cut). A request that kills every replica it reaches stops after `retries` more.
+HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response", "RAY_SERVE_HAPROXY_RETRIES": "2"}
 
 
 # glibc gives each busy thread a malloc arena (up to 8 per core); a serving process's arenas keep spreading: the
@@ -57,12 +64,15 @@ PORTS_OWNER_ENV = "KVSERVE_HAPROXY_PORTS_PID"
 
 
 def use_fast_data_plane() -> dict[str, str]:
-    """Put DATA_PLANE_ENV in this process's environment (what Ray's processes inherit) where it is not set, free
+    """Put DATA_PLANE_ENV (and with HAProxy, HAPROXY_RETRY_ENV) in this process's environment (what Ray's
+    processes inherit) where it is not set, free
     ports for HAProxy's own listeners (unless the operator set them, or this process already picked them) and
     kvserve's HAProxy wrapper (serving/server/haproxy.py); returns the values in effect."""
     for key, value in DATA_PLANE_ENV.items():
         os.environ.setdefault(key, value)
     if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        for key, value in HAPROXY_RETRY_ENV.items():
+            os.environ.setdefault(key, value)
         if os.environ.get(PORTS_OWNER_ENV, str(os.getpid())) != str(os.getpid()):  # inherited from another kvserve
             for key in HAPROXY_PORT_ENV:
                 os.environ.pop(key, None)
@@ -72,7 +82,7 @@ def use_fast_data_plane() -> dict[str, str]:
             os.environ[PORTS_OWNER_ENV] = str(os.getpid())
         if HAPROXY_BINARY_ENV not in os.environ and (wrapper := haproxy_wrapper()) is not None:
             os.environ[HAPROXY_BINARY_ENV] = str(wrapper)
-    keys = (*DATA_PLANE_ENV, *HAPROXY_PORT_ENV, HAPROXY_BINARY_ENV)
+    keys = (*DATA_PLANE_ENV, *HAPROXY_RETRY_ENV, *HAPROXY_PORT_ENV, HAPROXY_BINARY_ENV)
     return {key: os.environ[key] for key in keys if key in os.environ}
 
 
@@ -101,20 +111,24 @@ def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
         return 32768  # Linux's default range starts here
 
 
-# Where `kvserve serve` runs the models: in the ingress replica (colocated: a request and each streamed token
-# cross no process boundary between the API and the engine; docs/http_path.md measures it) or each in its own
-# deployment as the Serve config file lists them (split: models scale and move on their own, as on Kubernetes).
+# Where the models run. deploy/serve_config.yaml (what `kvserve serve`, the soak, the images and the RayService
+# run) colocates them in the ingress replica: a request and each streamed token cross no process boundary between
+# the API and the engine (docs/http_path.md), and no handle call whose cancellation leaks (docs/reliability.md,
+# "Placement"). `--placement split` gives each model a deployment of its own (models scale on their own), for
+# comparisons; `--placement colocated` colocates a config file written split.
 PLACEMENTS = ("colocated", "split")
-DEFAULT_PLACEMENT = "colocated"
 
 
 def prepare_config(config: str | Path, artifacts: str | Path | None = None, host: str | None = None,
-                   port: int | None = None, placement: str = "split") -> dict[str, Any]:
+                   port: int | None = None, placement: str | None = None) -> dict[str, Any]:
     """The validated config dict with overrides applied and artifacts_dir made absolute (the controller's
-    build task has another working directory); every bundle is checked to exist. `placement="colocated"`
-    moves every model into the ingress replica (`colocate_models`); "split" keeps the file's deployments."""
+    build task has another working directory); every bundle is checked to exist. `placement` None keeps the
+    file's placement; "colocated" moves every model into the ingress replica (`colocate_models`), "split" each
+    colocated one into a deployment of its own (`split_models`)."""
     from serving.server.app import bundle_task
 
+    if placement is not None and placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: expected one of {PLACEMENTS}")
     raw = load_serve_config(config)
     for app in raw.get("applications", []):
         if app.get("import_path") != "serving.server.app:build_app":
@@ -128,8 +142,8 @@ def prepare_config(config: str | Path, artifacts: str | Path | None = None, host
                 bundle_task(parsed.bundle_dir(spec, bundle))  # fails here, with the path, not in a replica
         if placement == "colocated":
             colocate_models(app)
-        elif placement != "split":
-            raise ValueError(f"placement {placement!r}: expected one of {PLACEMENTS}")
+        elif placement == "split":
+            split_models(app)
     http = raw.setdefault("http_options", {})
     if host is not None:
         http["host"] = host
@@ -149,6 +163,11 @@ def colocate_models(app: dict[str, Any]) -> dict[str, Any]:
                              f"model scales with the ingress deployment. Serve it with --placement split, or "
                              f"scale the ingress instead.")
     return colocate(app, names)
+
+
+def split_models(app: dict[str, Any]) -> dict[str, Any]:
+    """Every colocated model of a kvserve application into a deployment of its own (serving.server.config.split)."""
+    return split(app, [m["name"] for m in app["args"]["models"] if m.get("colocated")])
 
 
 def is_loopback(host: str) -> bool:
@@ -374,7 +393,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def serve_config(config: str | Path = DEFAULT_CONFIG, artifacts: str | Path | None = None, host: str | None = None,
                  port: int | None = None, num_cpus: int | None = None, dashboard: bool = False,
-                 placement: str = DEFAULT_PLACEMENT) -> int:
+                 placement: str | None = None) -> int:
     t0 = time.monotonic()
     raw = prepare_config(config, artifacts, host, port, placement)
     warning = exposure_warning(raw)
