@@ -14,7 +14,7 @@ from engine_bundle import cached_bundle
 from serving.engine.config import BatchingKnobs, EngineConfig, ReplicaKnobs, RequestBounds
 from serving.engine.engine import Engine
 from serving.engine.types import BatchingMode
-from serving.server.config import (AppArgs, IngressKnobs, Limits, ModelSpec, colocate, engine_config,
+from serving.server.config import (AppArgs, IngressKnobs, Limits, ModelSpec, colocate, engine_config, split,
                                    validate_serve_config)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +24,27 @@ def shipped() -> dict:
     return yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
 
 
+def split_form(raw: dict) -> dict:
+    """`raw` (the shipped config, its models colocated in the ingress) with a deployment per model, as
+    `kvserve serve --placement split` runs it (serving.server.config.split, the inverse of `colocate`)."""
+    split(raw["applications"][0], ["translate", "generate"])
+    return raw
+
+
+PLACEMENTS = {"shipped": shipped, "split": lambda: split_form(shipped())}
+
+
 def model_deployment(raw: dict, name: str) -> dict:
     return next(d for d in raw["applications"][0]["deployments"] if d["name"] == name)
+
+
+def batching_knobs(raw: dict, name: str) -> dict:
+    """Where a model's batching knobs live: the ingress's user_config `models.<name>` when the model is colocated,
+    its own deployment's user_config otherwise."""
+    spec = next(m for m in raw["applications"][0]["args"]["models"] if m["name"] == name)
+    if spec.get("colocated"):
+        return model_deployment(raw, "ingress")["user_config"]["models"][name]
+    return model_deployment(raw, name)["user_config"]
 
 
 def test_every_engine_knob_belongs_to_exactly_one_section():
@@ -34,28 +53,38 @@ def test_every_engine_knob_belongs_to_exactly_one_section():
     assert sum(len(s) for s in sections) == len(EngineConfig.model_fields)
 
 
-def test_every_knob_of_the_serve_config_reaches_the_engine(tmp_path):
-    raw = shipped()
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_knob_of_the_serve_config_reaches_the_engine(tmp_path, placement):
+    raw = PLACEMENTS[placement]()
     live = {"batching": "request", "max_waiting": 7, "max_waiting_tokens": 12_345, "max_tokens_per_step": 99,
             "max_batch_size": 5, "batch_wait_timeout_s": 0.5}
-    dep = model_deployment(raw, "generate")
-    dep["user_config"] = live
+    knobs = batching_knobs(raw, "generate")
+    knobs.clear()
+    knobs.update(live)
+    dep = model_deployment(raw, "ingress" if placement == "shipped" else "generate")
     dep["max_ongoing_requests"] = max(dep.get("max_ongoing_requests") or 0, 64)
     validate_serve_config(raw, tmp_path)
     args = AppArgs.model_validate(raw["applications"][0]["args"])
     spec = next(m for m in args.models if m.name == "generate")
-    config = engine_config(spec, BatchingKnobs.model_validate(live), args.limits)
+    user = model_deployment(raw, "ingress" if spec.colocated else "generate")["user_config"]
+    parsed = IngressKnobs.model_validate(user).models["generate"] if spec.colocated else BatchingKnobs(**user)
+    assert spec.colocated is (placement == "shipped")
+    config = engine_config(spec, parsed, args.limits)
     assert {k: getattr(config, k) for k in live} == {**live, "batching": BatchingMode.REQUEST}
     assert config.replica_knobs() == spec.engine
     assert config.max_new_tokens == args.limits.max_tokens
     assert config.max_prompt_tokens == args.limits.max_prompt_tokens + 1  # the bos the server adds
 
 
-@pytest.mark.parametrize("where,key", [("user_config", "max_waiting_tokenz"), ("engine", "slots")])
+@pytest.mark.parametrize("where,key", [("user_config", "max_waiting_tokenz"), ("engine", "slots"),
+                                       ("split user_config", "max_waiting_tokenz")])
 def test_an_unknown_engine_key_is_refused_by_name(tmp_path, where, key):
-    raw = shipped()
-    if where == "user_config":
-        model_deployment(raw, "generate")["user_config"][key] = 1
+    """user_config: a colocated model's knobs in the ingress's user_config (shipped); split user_config: a model
+    deployment's own."""
+    raw = split_form(shipped()) if where.startswith("split") else shipped()
+    validate_serve_config(copy.deepcopy(raw), tmp_path)  # valid before the typo
+    if where.endswith("user_config"):
+        batching_knobs(raw, "generate")[key] = 1
     else:
         raw["applications"][0]["args"]["models"][0]["engine"] = {key: 1}
     with pytest.raises(ValidationError, match=key):
@@ -93,17 +122,20 @@ async def test_reconfigure_applies_batching_knobs_live_and_refuses_replica_knobs
     await eng.stop()
 
 
-def test_the_shipped_config_composes_without_dropping_keys(tmp_path):
-    raw = validate_serve_config(copy.deepcopy(shipped()), tmp_path)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_shipped_config_composes_without_dropping_keys(tmp_path, placement):
+    raw = validate_serve_config(PLACEMENTS[placement](), tmp_path)
     args = AppArgs.model_validate(raw["applications"][0]["args"])
+    assert [m.name for m in args.models] == ["translate", "generate"]
     for spec in args.models:
-        user = model_deployment(raw, spec.name).get("user_config") or {}
+        user = batching_knobs(raw, spec.name)
+        assert user  # the shipped config sets every model's knobs
         config = engine_config(spec, BatchingKnobs.model_validate(user), args.limits)
         assert all(getattr(config, k) == BatchingKnobs.model_validate(user).model_dump()[k] for k in user)
 
 
 def test_a_colocated_model_moves_into_the_ingress_and_validates(tmp_path):
-    raw = shipped()
+    raw = split_form(shipped())
     app = raw["applications"][0]
     knobs = model_deployment(raw, "generate")["user_config"]
     colocate(app, ["generate"])
@@ -132,7 +164,7 @@ def test_a_colocated_models_canary_keeps_its_own_deployment(tmp_path):
     ("ongoing below a batch", "ingress.: max_ongoing_requests=4 < max_batch_size"),
 ])
 def test_colocation_mistakes_are_refused_by_name(tmp_path, mistake, match):
-    raw = shipped()
+    raw = split_form(shipped())
     app = raw["applications"][0]
     kept = copy.deepcopy(model_deployment(raw, "generate"))
     colocate(app, ["generate"])

@@ -7,16 +7,31 @@ shown to fail. serveConfigV2 must equal what deploy/serve_config.yaml generates.
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from deploy_helpers import DEPLOY, OVERLAYS, REPO, by_kind, load, rendered_lite
 
+from serving.server.config import split
+
 gen = load("gen_rayservice")
 val = load("validate")
 kl = load("kustomize_lite")
+MODELS = ["translate", "generate"]
+
+
+def _split(cfg: dict) -> dict:
+    """`cfg` (the checkout's colocated Serve config) in split form: a deployment per model (`--placement split`)."""
+    split(cfg["applications"][0], MODELS)
+    return cfg
+
+
+def _deployment(cfg: dict, name: str) -> dict:
+    return next(d for d in cfg["applications"][0]["deployments"] if d["name"] == name)
 
 
 
@@ -51,9 +66,12 @@ def _flatten(node: object, prefix: str = "") -> dict[str, object]:
     return {prefix: node}
 
 
+@pytest.mark.parametrize("placement", ["shipped", "split"])
 @pytest.mark.parametrize("variant", list(gen.Variant))
-def test_image_config_differs_from_checkout_config_only_by_the_declared_overrides(variant) -> None:
+def test_image_config_differs_from_checkout_config_only_by_the_declared_overrides(variant, placement) -> None:
     source = gen.load_serve_config()
+    if placement == "split":
+        source = _split(source)
     out = gen.image_serve_config(source, variant)
     before, after = _flatten(source), _flatten(out)
     changed = {p for p in before.keys() | after.keys() if before.get(p, object()) != after.get(p, object())}
@@ -65,24 +83,73 @@ def test_image_config_differs_from_checkout_config_only_by_the_declared_override
     for model in app["args"]["models"]:
         assert f"{app['args']['artifacts_dir']}/{model['bundle']}" == f"/models/{model['name']}"
         assert model["engine"]["provider"] == {"gpu": "cuda", "cpu": "cpu"}[variant.value]
+    colocated = [m["name"] for m in app["args"]["models"] if m.get("colocated")]
+    # How many engines each deployment's replica holds: the ingress its colocated models', a model deployment one.
+    engines = {d["name"]: len(colocated) if d["name"] == "ingress" else 1 for d in app["deployments"]}
+    assert engines == ({"ingress": 2} if placement == "shipped" else {"ingress": 0, "translate": 1, "generate": 1})
     for dep in app["deployments"]:
+        n = engines[dep["name"]]
         assert "num_replicas" not in dep and dep["autoscaling_config"]["min_replicas"] >= 1
+        assert dep["autoscaling_config"] == (gen.MODEL_AUTOSCALING if n else gen.INGRESS_AUTOSCALING)
         gpus = dep["ray_actor_options"].get("num_gpus", 0)
-        is_model = dep["name"] != "ingress"
-        assert gpus == (gen.GPU_PER_MODEL_REPLICA if is_model and variant is gen.Variant.GPU else 0)
-        assert dep["ray_actor_options"]["num_cpus"] > 0
+        assert gpus == (min(1.0, gen.GPU_PER_MODEL_REPLICA * n) if variant is gen.Variant.GPU else 0)
+        cpus = dep["ray_actor_options"]["num_cpus"]
+        assert cpus == (_deployment(source, dep["name"])["ray_actor_options"]["num_cpus"] if n
+                        else gen.INGRESS_NUM_CPUS) and cpus > 0
+    if variant is gen.Variant.GPU and placement == "shipped":  # both models' engines: one GPU per ingress replica
+        assert _deployment(out, "ingress")["ray_actor_options"]["num_gpus"] == 1.0
     assert out["http_options"]["host"] == "0.0.0.0" and out["http_options"]["port"] == 8000
     assert "api_key" not in app["args"] and app["args"]["api_key_env"] == gen.API_KEY_ENV
     assert all(d["graceful_shutdown_timeout_s"] >= app["args"]["limits"]["request_timeout_s"]
                for d in app["deployments"])
 
 
-def test_generator_refuses_a_model_deployment_without_cpu() -> None:
+@pytest.mark.parametrize("placement,name", [("split", "generate"), ("shipped", "ingress")])
+def test_generator_refuses_a_model_deployment_without_cpu(placement: str, name: str) -> None:
+    """A deployment that holds engines keeps the CPUs it asks for: a model deployment (split) or the ingress with
+    its colocated models (shipped); with none it could land on the head."""
     cfg = gen.load_serve_config()
-    model_dep = next(d for d in cfg["applications"][0]["deployments"] if d["name"] != "ingress")
-    model_dep["ray_actor_options"]["num_cpus"] = 0
-    with pytest.raises(ValueError, match="asks for no CPU"):
+    if placement == "split":
+        cfg = _split(cfg)
+    gen.image_serve_config(cfg, gen.Variant.GPU)  # as it is: accepted
+    _deployment(cfg, name)["ray_actor_options"]["num_cpus"] = 0
+    with pytest.raises(ValueError, match=f"deployment {name!r} asks for no CPU"):
         gen.image_serve_config(cfg, gen.Variant.GPU)
+
+
+def _artifacts(root: Path) -> Path:
+    """An artifacts directory with a manifest in each bundle (all prepare_config checks), as tests/test_launch.py's
+    `art`: at bundles/<task> as the checkout's config names them and at <task> as the images' config does."""
+    for task in MODELS:
+        for bundle in (root / "bundles" / task, root / task):
+            bundle.mkdir(parents=True)
+            (bundle / "manifest.json").write_text(json.dumps({"task": task}))
+    return root
+
+
+@pytest.mark.parametrize("variant", list(gen.Variant))
+def test_image_config_is_what_kvserve_serve_and_the_soak_run_plus_the_declared_overrides(variant, tmp_path) -> None:
+    """One source: the images' and the RayService's Serve config is deploy/serve_config.yaml as `kvserve serve`
+    deploys it (prepare_config, the file's own placement) through gen_rayservice's overrides, and the soak runs
+    that same application; and the image's CMD, naming no placement, keeps the file's (colocated) one."""
+    from bench.soak import soak_config
+    from serving.server import launch
+
+    art = _artifacts(tmp_path)
+    image_file = DEPLOY / "docker" / f"serve_config.{variant.value}.yaml"
+    image = yaml.safe_load(image_file.read_text(encoding="utf-8"))
+    served = launch.prepare_config(DEPLOY / "serve_config.yaml", artifacts=art)
+    assert gen.image_serve_config(served, variant) == image
+    assert yaml.safe_load(by_kind(rendered_lite(variant.value), "RayService")[0]["spec"]["serveConfigV2"]) == image
+    soaked = soak_config(art, port=18123)
+    assert soaked["http_options"]["port"] == 18123 and soaked["logging_config"]["enable_access_log"] is False
+    assert {**soaked, "http_options": served["http_options"], "logging_config": served["logging_config"]} == served
+    app = image["applications"][0]
+    assert [m["name"] for m in app["args"]["models"] if m.get("colocated")] == MODELS
+    assert [d["name"] for d in app["deployments"]] == ["ingress"]
+    in_image = launch.prepare_config(image_file, artifacts=art)  # the CMD's `kvserve serve --config ...`
+    assert in_image["applications"][0]["deployments"] == app["deployments"]
+    assert in_image["applications"][0]["args"]["models"] == app["args"]["models"]
 
 
 def test_check_mode_reports_stale_files_and_writes_nothing(tmp_path) -> None:
@@ -241,12 +308,14 @@ def _set_serve(doc: dict, mutate) -> dict:
 
 
 SERVE_TYPOS = [
-    ("num_replicass", lambda c: c["applications"][0]["deployments"][1].update(num_replicass=2)),
+    ("num_replicass", lambda c: _deployment(c, "ingress").update(num_replicass=2)),
     ("http_option", lambda c: c.update(http_option={"port": 8000})),
-    ("target_ongoing_request", lambda c: c["applications"][0]["deployments"][1]["autoscaling_config"]
+    ("target_ongoing_request", lambda c: _deployment(c, "ingress")["autoscaling_config"]
      .update(target_ongoing_request=3)),
-    ("num_gpu", lambda c: c["applications"][0]["deployments"][1]["ray_actor_options"].update(num_gpu=1)),
+    ("num_gpu", lambda c: _deployment(c, "ingress")["ray_actor_options"].update(num_gpu=1)),
     ("max_slot", lambda c: c["applications"][0]["args"]["models"][0]["engine"].update(max_slot=4)),
+    # a colocated model's batching knobs, in the ingress's user_config
+    ("max_waitng", lambda c: _deployment(c, "ingress")["user_config"]["models"]["generate"].update(max_waitng=4)),
 ]
 
 
@@ -261,9 +330,10 @@ def test_ray_schema_alone_ignores_unknown_serve_keys() -> None:
     from ray.serve.schema import ServeDeploySchema
 
     cfg = yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])
-    cfg["applications"][0]["deployments"][1]["num_replicass"] = 2
+    assert [d["name"] for d in cfg["applications"][0]["deployments"]] == ["ingress"]
+    cfg["applications"][0]["deployments"][0]["num_replicass"] = 2
     ServeDeploySchema.model_validate(cfg)  # no error: the reason for unknown_keys
-    assert val.unknown_keys(ServeDeploySchema, cfg) == ["applications[0].deployments[1].num_replicass"]
+    assert val.unknown_keys(ServeDeploySchema, cfg) == ["applications[0].deployments[0].num_replicass"]
 
 
 BROKEN_CLUSTERS = [
@@ -282,18 +352,22 @@ BROKEN_CLUSTERS = [
 @pytest.mark.parametrize("needle,mutate", BROKEN_CLUSTERS, ids=[b[0] for b in BROKEN_CLUSTERS])
 def test_kuberay_facts_outside_the_schema_are_checked(needle: str, mutate) -> None:
     doc = _rayservice()
-    if needle == "need 6 gpus":
+    if needle == "need 6 gpus":  # the ingress holds both engines, one GPU a replica: 6 replicas, 6 GPUs
         _set_serve(doc, lambda c: [d["autoscaling_config"].update(max_replicas=6)
-                                   for d in c["applications"][0]["deployments"] if d["name"] != "ingress"])
+                                   for d in c["applications"][0]["deployments"]
+                                   if d["ray_actor_options"].get("num_gpus")])
     mutate(doc["spec"])
     errors = val.check_rayservice(doc)
     assert any(needle in e for e in errors), errors
 
 
 def test_a_replica_without_cpu_could_land_on_the_head() -> None:
-    doc = _set_serve(_rayservice(), lambda c: c["applications"][0]["deployments"][0]["ray_actor_options"]
+    """The CPU variant: the ingress asks for CPUs only (on the GPU variant its GPU keeps it off the head)."""
+    assert not any("could run on the head" in e for e in val.check_rayservice(_rayservice("cpu")))
+    doc = _set_serve(_rayservice("cpu"), lambda c: _deployment(c, "ingress")["ray_actor_options"]
                      .update(num_cpus=0))
-    assert any("could run on the head" in e for e in val.check_rayservice(doc))
+    assert any("deployment 'ingress' asks for no CPU or GPU: it could run on the head" in e
+               for e in val.check_rayservice(doc))
 
 
 def test_validate_cli_passes_on_the_repository() -> None:

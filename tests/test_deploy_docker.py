@@ -62,7 +62,9 @@ def test_image_runs_as_non_root_with_its_serve_config(variant: str) -> None:
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and all(int(u.split(":")[0]) >= 1000 for u in users), users
     assert f"deploy/docker/serve_config.{variant}.yaml /etc/kvserve/serve_config.yaml" in text
-    assert 'CMD ["kvserve", "serve", "--config", "/etc/kvserve/serve_config.yaml", "--host", "0.0.0.0", "--placement", "split"]' in text
+    # No --placement: the image runs its config's placement (the models colocated in the ingress, as generated).
+    assert 'CMD ["kvserve", "serve", "--config", "/etc/kvserve/serve_config.yaml", "--host", "0.0.0.0"]' in text
+    assert not [line for line in re.findall(r"^(?:CMD|ENTRYPOINT) .*$", text, re.M) if "--placement" in line]
     pod_users = {g["template"]["spec"]["securityContext"]["runAsUser"]
                  for o in ("gpu", "cpu") for d in rendered_lite(o) if d["kind"] == "RayService"
                  for g in [d["spec"]["rayClusterConfig"]["headGroupSpec"],
@@ -272,4 +274,5 @@ def test_kvserve_serve_starts_from_the_image_sources_without_the_packages_it_lea
                           cwd=cpu_image_src.parent, env={"PYTHONPATH": str(cpu_image_src), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["kvserve.serve", "/etc/kvserve/serve_config.yaml", "0.0.0.0", "split"]
+    # placement None: as the image's config says (deploy/gen_rayservice.py keeps deploy/serve_config.yaml's)
+    assert done.stdout.split() == ["kvserve.serve", "/etc/kvserve/serve_config.yaml", "0.0.0.0", "None"]

@@ -10,11 +10,14 @@ checked on Kubernetes' selector semantics.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 from deploy_helpers import DEPLOY, by_kind, load, rendered_lite
+
+from serving.server.config import split
 
 val = load("validate")
 exposure = load("exposure")
@@ -66,8 +69,27 @@ def _app(cfg: dict) -> dict:
     return cfg["applications"][0]
 
 
+def _split_serve(docs: list[dict], mutate) -> None:
+    """serveConfigV2 as generated from deploy/serve_config.yaml in split form (a deployment per model, as
+    `--placement split`; serving.server.config.split), then `mutate`d."""
+    cfg = gen.load_serve_config()
+    split(_app(cfg), ["translate", "generate"])
+    # split() hands each model deployment the ingress's own backpressure_config dict (one object, a YAML alias
+    # when dumped); a copy, so that breaking one deployment's rule leaves the others' as they are.
+    cfg = json.loads(json.dumps(cfg))
+    rayservice = by_kind(docs, "RayService")[0]
+    rayservice["spec"]["serveConfigV2"] = gen.dump_serve_config(gen.image_serve_config(cfg, gen.Variant.GPU))
+    _serve(docs, mutate)
+
+
 def _dep(cfg: dict, name: str) -> dict:
     return next(d for d in _app(cfg)["deployments"] if d["name"] == name)
+
+
+def _uncolocate_generate(cfg: dict) -> None:
+    """generate no longer colocated (its knobs out of the ingress's user_config), and no deployment entry added."""
+    next(m for m in _app(cfg)["args"]["models"] if m["name"] == "generate")["colocated"] = False
+    del _dep(cfg, "ingress")["user_config"]["models"]["generate"]
 
 
 def _env(group: dict, name: str) -> dict:
@@ -136,7 +158,11 @@ def test_every_shipped_serve_config_bounds_every_queue_with_429() -> None:
     assert len(configs) == 5
     for where, cfg in configs:
         deployments = _app(cfg)["deployments"]
-        assert {d["name"] for d in deployments} == {"ingress", "translate", "generate"}, where
+        # Every model runs in the ingress replica: no deployment of its own, so none with Serve's unbounded default.
+        models = _app(cfg)["args"]["models"]
+        assert {m["name"] for m in models if m.get("colocated")} == {"translate", "generate"}, where
+        assert all(m.get("colocated") and not m.get("canary") for m in models), where
+        assert {d["name"] for d in deployments} == {"ingress"}, where
         for dep in deployments:
             assert dep["max_queued_requests"] >= 1, (where, dep["name"])
             assert dep["backpressure_config"]["status_code"] == 429, (where, dep["name"])
@@ -282,14 +308,23 @@ BROKEN = [
      lambda d: _serve(d, lambda c: _app(c)["args"].pop("api_key_env"))),
     ("unbounded ingress queue", "'ingress': max_queued_requests=-1",
      lambda d: _serve(d, lambda c: _dep(c, "ingress").pop("max_queued_requests"))),
+    ("explicitly unbounded ingress queue", "'ingress': max_queued_requests=-1",
+     lambda d: _serve(d, lambda c: _dep(c, "ingress").update(max_queued_requests=-1))),
     ("explicitly unbounded queue", "'translate': max_queued_requests=-1",
-     lambda d: _serve(d, lambda c: _dep(c, "translate").update(max_queued_requests=-1))),
-    ("503 backpressure", "must answer 429",
-     lambda d: _serve(d, lambda c: _dep(c, "generate")["backpressure_config"].update(status_code=503))),
+     lambda d: _split_serve(d, lambda c: _dep(c, "translate").update(max_queued_requests=-1))),
+    ("503 backpressure on the ingress", "deployment 'ingress': backpressure_config=",
+     lambda d: _serve(d, lambda c: _dep(c, "ingress")["backpressure_config"].update(status_code=503))),
+    ("503 backpressure", "deployment 'generate': backpressure_config=",
+     lambda d: _split_serve(d, lambda c: _dep(c, "generate")["backpressure_config"].update(status_code=503))),
     ("no Retry-After", "must answer 429",
      lambda d: _serve(d, lambda c: _dep(c, "ingress")["backpressure_config"].pop("retry_after_s"))),
     ("a model without a deployment entry", "'generate' has no entry",
-     lambda d: _serve(d, lambda c: _app(c)["deployments"].remove(_dep(c, "generate")))),
+     lambda d: _split_serve(d, lambda c: _app(c)["deployments"].remove(_dep(c, "generate")))),
+    ("a model taken out of the ingress without an entry", "'generate' has no entry",
+     lambda d: _serve(d, _uncolocate_generate)),
+    ("a canary without a deployment entry", "'generate-canary' has no entry",
+     lambda d: _serve(d, lambda c: [m.update(canary={"bundle": "generate-next", "weight": 10})
+                                    for m in _app(c)["args"]["models"] if m["name"] == "generate"])),
     ("worker without the key variable", "must take KVSERVE_API_KEY",
      lambda d: _drop_env(_worker(d), "KVSERVE_API_KEY")),
     ("key as a plain value", "must take KVSERVE_API_KEY",

@@ -17,6 +17,7 @@ once, in serving/engine/config.py, and used here as they are; `engine_config()` 
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -259,7 +260,7 @@ def split(app: dict[str, Any], models: list[str]) -> dict[str, Any]:
         deployments.append({
             "name": spec["name"], "num_replicas": 1,
             "max_ongoing_requests": max(engine.max_slots + parsed.max_waiting, parsed.max_batch_size),
-            **{key: ingress[key] for key in SPLIT_COPIED_OPTIONS if key in ingress},
+            **{key: copy.deepcopy(ingress[key]) for key in SPLIT_COPIED_OPTIONS if key in ingress},
             "ray_actor_options": {"num_cpus": cpus}, "user_config": live})
     return app
 

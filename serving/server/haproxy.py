@@ -70,8 +70,11 @@ def error_file(status: int) -> str:
 
 
 def _errorfile_program(directory: Path) -> str:
-    """Sed commands pointing Serve's `errorfile` lines at kvserve's answers in `directory`."""
-    return "".join(f"s|^\\([[:space:]]*errorfile {status}\\) .*$|\\1 {directory}/{status}.http|\n"
+    """Sed commands: HAProxy waits for a request's whole body before it picks a replica (`http-buffer-request`;
+    only a request HAProxy holds whole can be sent again after its replica died: without it, measured, a POST
+    whose replica was killed got a 502 and no retry), and Serve's `errorfile` lines point at kvserve's answers
+    in `directory`."""
+    return "/^[[:space:]]*option redispatch/i\\\n    option http-buffer-request\n" + "".join(f"s|^\\([[:space:]]*errorfile {status}\\) .*$|\\1 {directory}/{status}.http|\n"
                    for status in ERROR_FILES)
 
 

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -261,5 +262,7 @@ class Ingress:
             await model.stop(drain_timeout_s=30.0)
 
     async def drain_status(self) -> dict:
-        """This replica's phase and requests in flight (serving/server/launch.py `drain` polls every replica)."""
-        return {"replica": serve.get_replica_context().replica_id.unique_id, **self.drain.status()}
+        """This replica's phase, requests in flight and process id (serving/server/launch.py `drain` polls every
+        replica)."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": os.getpid(),
+                **self.drain.status()}

@@ -47,7 +47,7 @@ DATA_PLANE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMI
 # (Serve's default). kvserve's requests change nothing but the replica's own state, and a seeded one gives the
 # same answer on any replica, so the retry is safe; a streamed answer that had started is not retried (its
 # client sees the stream cut). A request that kills every replica it reaches stops after `retries` more.
-HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response", "RAY_SERVE_HAPROXY_RETRIES": "2"}
+HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response", "RAY_SERVE_HAPROXY_RETRIES": "3"}
 
 
 # glibc gives each busy thread a malloc arena (up to 8 per core); a serving process's arenas keep spreading: the
