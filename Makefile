@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ART ?= artifacts
 
-.PHONY: venv test test-slow test-retrain serve train bench soak data clean deploy-check gpu-check gpu-check-cpu
+.PHONY: venv test test-cluster test-slow test-retrain serve train bench soak data clean deploy-check gpu-check gpu-check-cpu
 
 $(BIN)/kvserve-installed.stamp: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,11 @@ venv: $(BIN)/kvserve-installed.stamp
 
 test: venv
 	$(BIN)/python -m pytest
+
+# The cluster suite CI runs after `make test`: the production Serve config, `kvserve serve`, HAProxy, real Ray Serve
+# clusters (a replica killed under load, disconnects, drain, live reconfigure, a rollout under load): ~9 min on 2 cores.
+test-cluster: venv
+	$(BIN)/python -m pytest -m "cluster and not gpu" -o addopts="-q"
 
 test-slow: venv
 	$(BIN)/python -m pytest -m "slow and not retrain" -o addopts="-q"

@@ -45,7 +45,7 @@ from loadtest.promscrape import GENERATED, Snapshot, parse_metrics
 from loadtest.report import Report
 from loadtest.runner import run_load
 from serving.engine.types import BatchingMode
-from serving.server.launch import colocate_models, driver_handle
+from serving.server.launch import colocate_models, driver_handle, split_models
 
 MODEL = "generate"
 APP = "kvserve"
@@ -118,12 +118,16 @@ def bench_serve_config(shipped: Path, bundle: Path, plan: HttpPlan, port: int) -
     spec.setdefault("engine", {}).update(max_slots=plan.slots, intra_op_threads=plan.threads)
     app["args"]["models"] = [spec]
     app["deployments"] = [d for d in app["deployments"] if d["name"] in ("ingress", MODEL)]
-    if plan.placement == "colocated":
-        colocate_models(app)
-    if spec.get("colocated"):  # the model's knobs and ongoing requests are the ingress's
-        ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
+    ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
+    if spec.get("colocated"):  # the shipped config: one CPU per engine, the knobs of this model only
+        ingress.setdefault("ray_actor_options", {})["num_cpus"] = plan.threads
         models = ingress.setdefault("user_config", {}).setdefault("models", {})
         ingress["user_config"]["models"] = {MODEL: models.get(MODEL, {})}
+    if plan.placement == "colocated":
+        colocate_models(app)
+    else:
+        split_models(app)
+    if spec.get("colocated"):  # the model's knobs and ongoing requests are the ingress's
         live, dep = ingress["user_config"]["models"][MODEL], ingress
     else:
         dep = next(d for d in app["deployments"] if d["name"] == MODEL)

@@ -293,16 +293,18 @@ def test_serve_config_file_is_valid(tmp_path):
     args = AppArgs.model_validate(app["args"])
     assert app["import_path"] == "serving.server.app:build_app" and args.artifacts_dir == tmp_path.resolve()
     names = {d["name"] for d in app["deployments"]}
-    assert names == {"ingress", *(m.name for m in args.models)}
-    for d in app["deployments"]:
-        if d["name"] != "ingress":
-            BatchingKnobs.model_validate(d["user_config"])
-            assert d["backpressure_config"]["status_code"] == 429
+    assert names == {"ingress", *(m.name for m in args.models if not m.colocated)}
+    assert all(m.colocated for m in args.models)  # the shipped placement: every engine in the ingress replicas
+    ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
+    assert ingress["backpressure_config"]["status_code"] == 429
+    for m in args.models:
+        BatchingKnobs.model_validate(ingress["user_config"]["models"][m.name])
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda c: c["applications"][0]["deployments"][1].update(max_ongoing_requests=4), "max_ongoing_requests"),
-    (lambda c: c["applications"][0]["deployments"][1]["user_config"].update(max_batch_sise=4), "max_batch_sise"),
+    (lambda c: c["applications"][0]["deployments"][0].update(max_ongoing_requests=4), "max_ongoing_requests"),
+    (lambda c: c["applications"][0]["deployments"][0]["user_config"]["models"]["generate"].update(max_batch_sise=4),
+     "max_batch_sise"),
     (lambda c: c["applications"][0]["args"]["limits"].update(max_beam_size=9), "max_beam_size"),
     (lambda c: c["applications"][0]["args"]["models"][0].update(name="Bad Name"), "Bad Name"),
     (lambda c: c["applications"][0]["deployments"].append({"name": "ghost"}), "ghost"),

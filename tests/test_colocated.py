@@ -16,7 +16,7 @@ import pytest
 from integration_cluster import integration_config, sse
 from reliability_cluster import metric, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # the cluster suite CI runs (`make test-cluster`)
 
 
 @pytest.fixture(scope="module")

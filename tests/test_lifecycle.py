@@ -59,6 +59,7 @@ def _wait_rolled_out(base: str, version: str, timeout_s: float = 180) -> float:
             time.sleep(0.25)
 
 
+@pytest.mark.cluster
 def test_a_new_bundle_rolls_out_under_load_without_a_failed_request_or_a_cut_stream(two_versions, ray_cluster):
     art, old, new = two_versions
     base = _deploy(lifecycle_config(art, ray_cluster["port"]))

@@ -23,20 +23,21 @@ import yaml
 from conftest import free_port
 from reliability_cluster import write_long_bundles
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # the cluster suite CI runs (`make test-cluster`)
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS, TOKENS = 20, 200
 
 
 def _config(art: Path, port: int, path: Path) -> Path:
+    """The shipped config (the models in the ingress replica) serving one model, `generate`, from bundles/long."""
     cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     cfg["http_options"]["port"] = port
     app = cfg["applications"][0]
-    app["args"]["models"] = [{"name": "generate", "bundle": "bundles/long",
+    app["args"]["models"] = [{"name": "generate", "bundle": "bundles/long", "colocated": True,
                               "engine": {"max_slots": 32, "intra_op_threads": 1, "provider": "cpu"}}]
-    gen = next(d for d in app["deployments"] if d["name"] == "generate")
-    gen["ray_actor_options"] = {"num_cpus": 0.5}
-    app["deployments"] = [d for d in app["deployments"] if d["name"] == "ingress"] + [gen]
+    ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
+    ingress["ray_actor_options"] = {"num_cpus": 0.5}
+    ingress["user_config"]["models"] = {"generate": ingress["user_config"]["models"]["generate"]}
     path.write_text(yaml.safe_dump(cfg))
     return path
 

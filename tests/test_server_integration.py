@@ -15,7 +15,7 @@ import httpx
 import pytest
 from integration_cluster import SENTENCES, metric, settled_metrics, sse, wait_metric
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # the cluster suite CI runs (`make test-cluster`)
 
 
 # -- endpoints ---------------------------------------------------------------------------------------------

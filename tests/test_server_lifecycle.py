@@ -62,6 +62,7 @@ def test_trained_bundle_chrf_over_http_equals_evaluate(server):
 
 
 # -- live reconfiguration (it changes the deployed config: only order-tolerant tests follow) ------------------
+@pytest.mark.cluster
 def test_reconfigure_is_live(client, server):
     from serving.server.launch import start
 

@@ -70,6 +70,9 @@ def test_each_variant_is_a_copy_of_the_app_with_its_env_in_the_ingress_only(tmp_
     from bench.soak import soak_config
     from bench.soak_env import variants_config
 
+    for task in ("translate", "generate"):  # soak_config checks the bundles exist (their manifests)
+        (tmp_path / "bundles" / task).mkdir(parents=True)
+        (tmp_path / "bundles" / task / "manifest.json").write_text(json.dumps({"task": task}))
     env = {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
     cfg = variants_config(soak_config(tmp_path, 8000), {"glibc": {}, "jemalloc": env})
     apps = {a["name"]: a for a in cfg["applications"]}

@@ -265,6 +265,31 @@ def split(app: dict[str, Any], models: list[str]) -> dict[str, Any]:
     return app
 
 
+# Where the models run. deploy/serve_config.yaml (what `kvserve serve`, the soak, the images and the RayService
+# run) colocates them in the ingress replica: a request and each streamed token cross no process boundary between
+# the API and the engine (docs/http_path.md), and no handle call whose cancellation leaks
+# (docs/decisions/production-placement.md). `--placement split` gives each model a deployment of its own (models scale on their own), for
+# comparisons; `--placement colocated` colocates a config file written split.
+PLACEMENTS = ("colocated", "split")
+
+
+def colocate_models(app: dict[str, Any]) -> dict[str, Any]:
+    """Every model of a kvserve application into its ingress replica (serving.server.config.colocate); a model
+    whose deployment asks for more than one replica or for autoscaling cannot be, and is refused by name."""
+    names = [m["name"] for m in app["args"]["models"] if not m.get("colocated")]
+    for dep in app.get("deployments", []):
+        if dep["name"] in names and (dep.get("autoscaling_config") or (dep.get("num_replicas") or 1) != 1):
+            raise ValueError(f"deployment {dep['name']!r} asks for several replicas or autoscaling; a colocated "
+                             f"model scales with the ingress deployment. Serve it with --placement split, or "
+                             f"scale the ingress instead.")
+    return colocate(app, names)
+
+
+def split_models(app: dict[str, Any]) -> dict[str, Any]:
+    """Every colocated model of a kvserve application into a deployment of its own (serving.server.config.split)."""
+    return split(app, [m["name"] for m in app["args"]["models"] if m.get("colocated")])
+
+
 def load_serve_config(path: str | Path, artifacts_dir: str | Path | None = None) -> dict[str, Any]:
     """Read a Serve config file and validate it (see `validate_serve_config`); returns the dict."""
     with open(path, encoding="utf-8") as f:

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serving.server.config import (INGRESS_DEPLOYMENT, AppArgs, colocate, load_serve_config, split,
-                                   validate_serve_config)
+from serving.server.config import (INGRESS_DEPLOYMENT, PLACEMENTS, AppArgs, colocate_models, load_serve_config,
+                                   split_models, validate_serve_config)
 from serving.server.haproxy import HAPROXY_BINARY_ENV, haproxy_wrapper
 
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
@@ -111,14 +111,6 @@ def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
         return 32768  # Linux's default range starts here
 
 
-# Where the models run. deploy/serve_config.yaml (what `kvserve serve`, the soak, the images and the RayService
-# run) colocates them in the ingress replica: a request and each streamed token cross no process boundary between
-# the API and the engine (docs/http_path.md), and no handle call whose cancellation leaks (docs/reliability.md,
-# "Placement"). `--placement split` gives each model a deployment of its own (models scale on their own), for
-# comparisons; `--placement colocated` colocates a config file written split.
-PLACEMENTS = ("colocated", "split")
-
-
 def prepare_config(config: str | Path, artifacts: str | Path | None = None, host: str | None = None,
                    port: int | None = None, placement: str | None = None) -> dict[str, Any]:
     """The validated config dict with overrides applied and artifacts_dir made absolute (the controller's
@@ -151,23 +143,6 @@ def prepare_config(config: str | Path, artifacts: str | Path | None = None, host
     if port is not None:
         http["port"] = port
     return validate_serve_config(raw)
-
-
-def colocate_models(app: dict[str, Any]) -> dict[str, Any]:
-    """Every model of a kvserve application into its ingress replica (serving.server.config.colocate); a model
-    whose deployment asks for more than one replica or for autoscaling cannot be, and is refused by name."""
-    names = [m["name"] for m in app["args"]["models"] if not m.get("colocated")]
-    for dep in app.get("deployments", []):
-        if dep["name"] in names and (dep.get("autoscaling_config") or (dep.get("num_replicas") or 1) != 1):
-            raise ValueError(f"deployment {dep['name']!r} asks for several replicas or autoscaling; a colocated "
-                             f"model scales with the ingress deployment. Serve it with --placement split, or "
-                             f"scale the ingress instead.")
-    return colocate(app, names)
-
-
-def split_models(app: dict[str, Any]) -> dict[str, Any]:
-    """Every colocated model of a kvserve application into a deployment of its own (serving.server.config.split)."""
-    return split(app, [m["name"] for m in app["args"]["models"] if m.get("colocated")])
 
 
 def is_loopback(host: str) -> bool:
