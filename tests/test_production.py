@@ -214,7 +214,8 @@ def test_with_one_replica_a_killed_replica_leaves_no_request_hanging(prod):
     answers, failures, seen = asyncio.run(_answers(prod.base, n, 16, kill_after=20))
     took = time.monotonic() - t0
     victim = seen["victim"]
-    report("shipped_placement_only_replica_killed", requests=n, concurrency=16, in_flight_on_killed_replica=seen[victim],
+    report("shipped_placement_only_replica_killed", requests=n, concurrency=16,
+           in_flight_on_killed_replica=seen[victim],
            statuses={str(k): v for k, v in collections.Counter(s for s, _, _ in answers.values()).items()},
            connections_closed_unanswered=len(failures), seconds=round(took, 2))
     assert seen[victim] > 0, seen

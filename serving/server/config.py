@@ -268,8 +268,8 @@ def split(app: dict[str, Any], models: list[str]) -> dict[str, Any]:
 # Where the models run. deploy/serve_config.yaml (what `kvserve serve`, the soak, the images and the RayService
 # run) colocates them in the ingress replica: a request and each streamed token cross no process boundary between
 # the API and the engine (docs/http_path.md), and no handle call whose cancellation leaks
-# (docs/decisions/production-placement.md). `--placement split` gives each model a deployment of its own (models scale on their own), for
-# comparisons; `--placement colocated` colocates a config file written split.
+# (docs/decisions/production-placement.md). `--placement split` gives each model a deployment of its own (models
+# scale on their own), for comparisons; `--placement colocated` colocates a config file written split.
 PLACEMENTS = ("colocated", "split")
 
 

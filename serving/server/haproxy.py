@@ -74,14 +74,16 @@ def _errorfile_program(directory: Path) -> str:
     only a request HAProxy holds whole can be sent again after its replica died: without it, measured, a POST
     whose replica was killed got a 502 and no retry), and Serve's `errorfile` lines point at kvserve's answers
     in `directory`."""
-    return "/^[[:space:]]*option redispatch/i\\\n    option http-buffer-request\n" + "".join(f"s|^\\([[:space:]]*errorfile {status}\\) .*$|\\1 {directory}/{status}.http|\n"
-                   for status in ERROR_FILES)
+    buffer = "/^[[:space:]]*option redispatch/i\\\n    option http-buffer-request\n"
+    return buffer + "".join(f"s|^\\([[:space:]]*errorfile {status}\\) .*$|\\1 {directory}/{status}.http|\n"
+                            for status in ERROR_FILES)
 
 
 def haproxy_wrapper(directory: Path | None = None) -> Path | None:
     """An executable that runs Serve's HAProxy binary the way kvserve wants it (see HAPROXY_BINARY_ENV): `-dS`,
     and the config given with `-f` rewritten to `<config>.kvserve` with the /metrics cache and kvserve's error
-    answers (written beside it); for HAPROXY_BINARY_ENV. None when no HAProxy binary is installed (Ray then reports it)."""
+    answers (written beside it); for HAPROXY_BINARY_ENV. None when no HAProxy binary is installed (Ray then
+    reports it)."""
     import shlex
     import shutil
     import tempfile
