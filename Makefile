@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ART ?= artifacts
 
-.PHONY: venv test test-cluster test-slow test-retrain serve train bench soak data clean deploy-check gpu-check gpu-check-cpu
+.PHONY: venv test test-cluster test-slow test-retrain serve train bench soak data clean deploy-check gpu-check gpu-check-cpu lock
 
 $(BIN)/kvserve-installed.stamp: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,7 @@ serve: venv
 train: venv
 	$(BIN)/kvserve up --train --no-serve --artifacts $(ART) $(if $(TIME_BUDGET),--time-budget $(TIME_BUDGET))
 
+# Every benchmark side by side (bench/cli.py): docs/benchmarks.md, the figures README.md shows, docs/img/autoscaling.png.
 bench: venv
 	$(BIN)/kvserve bench --artifacts $(ART) --out docs/benchmarks.md
 
@@ -65,3 +66,11 @@ clean:
 deploy-check: venv
 	$(BIN)/python deploy/gen_rayservice.py --check
 	$(BIN)/python deploy/validate.py
+
+# The images' locked dependencies (deploy/docker/*.lock: every package pinned and hashed), resolved from PyPI
+# by uv, which lives in a venv of its own (never in the images or in .venv's runtime dependencies).
+LOCK_VENV := build/lock-venv
+UV_VERSION ?= 0.13.9
+lock:
+	test -x $(LOCK_VENV)/bin/uv || ($(PY) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install -q 'uv==$(UV_VERSION)')
+	$(PY) deploy/docker/lock.py --uv $(LOCK_VENV)/bin/uv

@@ -1,12 +1,14 @@
 """Autoscaling under a load ramp: replicas of the generate model over time, next to the load, as a plot.
 
     python -m bench.autoscale [--artifacts artifacts] [--out docs/img] [--phases 2:30,32:90,2:90]
+    kvserve bench --sections autoscale        # the same, into docs/benchmarks.md (section 6) and docs/img
 
 Deploys the generate model alone on a local Ray Serve cluster (serving.server.launch.start, as `kvserve serve`
 does) with an autoscaling_config on the engine's load (serving/server/autoscale.py `EngineLoadPolicy`,
 `AUTOSCALING` below), then runs closed-loop clients (bench/clients.py) in phases of CLIENTS:SECONDS. Every
-half second it samples Serve's view of the deployment (RUNNING replicas) and the clients. Writes OUT/autoscaling.png (clients and replicas over time, p99 TTFT per phase),
-ARTIFACTS/bench/autoscaling.json (the samples and every request) and prints a markdown table per phase.
+half second it samples Serve's view of the deployment (RUNNING replicas) and the clients. Writes
+OUT/autoscaling.png (clients and replicas over time, p99 TTFT per phase), ARTIFACTS/bench/autoscaling.json (the
+samples and every request) and prints a markdown table per phase.
 
 `single_model_config` is also the Serve config of the model-lifecycle tests (tests/test_lifecycle.py).
 Does not own: the policy (serving/server/autoscale.py), the clients (bench/clients.py).
@@ -26,7 +28,7 @@ import yaml
 from bench.clients import Load, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
-AUTOSCALING: dict[str, Any] = {  # measured with this bench (docs/autoscaling.md)
+AUTOSCALING: dict[str, Any] = {  # measured with this bench (docs/lifecycle.md)
     "min_replicas": 1, "max_replicas": 3, "initial_replicas": 1,
     "metrics_interval_s": 1.0, "look_back_period_s": 5.0, "upscale_delay_s": 3.0, "downscale_delay_s": 15.0,
     "policy": {"policy_function": "serving.server.autoscale:EngineLoadPolicy",
@@ -111,29 +113,68 @@ def _q(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
 
 
-def plot(run: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+def measure(artifacts: Path, phases: tuple[tuple[int, float], ...], slots: int = 8,
+            progress: bool = True) -> dict[str, Any]:
+    """Deploy the generate model of `artifacts` with `AUTOSCALING` on a local Ray Serve cluster, drive the ramp,
+    stop the cluster. Returns the run's JSON: the config, one row per phase, the samples and every request."""
+    from serving.server.config import validate_serve_config
+    from serving.server.launch import start, stop
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = single_model_config(artifacts.resolve(), port, autoscaling=AUTOSCALING, slots=slots)
+    cfg["logging_config"] = {**cfg.get("logging_config", {}), "log_level": "WARNING", "enable_access_log": False}
+    start(validate_serve_config(cfg), timeout_s=600)
+    try:
+        run = run_ramp(f"http://127.0.0.1:{port}", phases, progress=progress)
+    finally:
+        stop()
+    return {"autoscaling_config": AUTOSCALING, "slots": slots, "phases": phase_table(run),
+            "phase_bounds_s": [[c, round(a, 2), round(b, 2)] for c, a, b in run["phases"]],
+            "samples": run["samples"], "requests": [_outcome_dict(o, run["t0"]) for o in run["outcomes"]]}
+
+
+def replicas_path(doc: dict[str, Any]) -> list[int]:
+    """Replicas along the ramp: the most in each phase but the last, then the number at the end."""
+    return [r["replicas_max"] for r in doc["phases"][:-1]] + [doc["samples"][-1]["replicas"] if doc["samples"] else 0]
+
+
+def ramp_reading(doc: dict[str, Any]) -> str:
+    """The ramp in words: clients and replicas along it, requests and failures."""
+    rows = doc["phases"]
+    return (f"{' -> '.join(str(r['clients']) for r in rows)} clients: "
+            f"{' -> '.join(map(str, replicas_path(doc)))} replicas, {sum(r['failed'] for r in rows):,} of "
+            f"{sum(r['requests'] for r in rows):,} requests failed")
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """OUT/autoscaling.png: clients and RUNNING replicas over time, p99 TTFT per phase."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [s["t"] for s in run["samples"]]
+    samples, rows = doc["samples"], doc["phases"]
+    t = [s["t"] for s in samples]
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.step(t, [s["clients"] for s in run["samples"]], where="post", label="clients (load)", color="tab:gray")
+    ax.step(t, [s["clients"] for s in samples], where="post", label="clients (load)", color="tab:gray")
     ax.set_xlabel("seconds")
     ax.set_ylabel("clients")
     ax2 = ax.twinx()
-    ax2.step(t, [s["replicas"] for s in run["samples"]], where="post", label="generate replicas (RUNNING)",
+    ax2.step(t, [s["replicas"] for s in samples], where="post", label="generate replicas (RUNNING)",
              color="tab:blue", linewidth=2)
     ax2.set_ylabel("replicas")
-    ax2.set_ylim(0, max(s["replicas"] for s in run["samples"]) + 1)
-    for row, (_, start, _) in zip(rows, run["phases"]):
+    ax2.set_ylim(0, max(s["replicas"] for s in samples) + 1)
+    for row, (_, start, _) in zip(rows, doc["phase_bounds_s"]):
         ax.annotate(f"p99 TTFT {row['ttft_p99_s']}s", (start + 1, row["clients"]), fontsize=8, va="bottom")
     lines = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
     ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="center right", fontsize=8)
     ax.set_title("Autoscaling on engine load (EngineLoadPolicy): replicas follow the clients")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -152,35 +193,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.autoscale", description=__doc__.split("\n\n")[0])
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="holds bundles/generate")
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="where autoscaling.png goes")
-    p.add_argument("--phases", default=",".join(f"{c}:{s:g}" for c, s in DEFAULT_PHASES),
+    p.add_argument("--phases", default=phases_arg(DEFAULT_PHASES),
                    help="CLIENTS:SECONDS,... e.g. 2:30,32:90,2:90")
     p.add_argument("--slots", type=int, default=8, help="KV slots per replica")
     args = p.parse_args(argv)
-    phases = tuple((int(c), float(s)) for c, s in (x.split(":") for x in args.phases.split(",")))
-    from serving.server.config import validate_serve_config
-    from serving.server.launch import start, stop
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = single_model_config(args.artifacts.resolve(), port, autoscaling=AUTOSCALING, slots=args.slots)
-    cfg["logging_config"] = {**cfg.get("logging_config", {}), "log_level": "WARNING", "enable_access_log": False}
-    start(validate_serve_config(cfg), timeout_s=600)
-    try:
-        run = run_ramp(f"http://127.0.0.1:{port}", phases)
-    finally:
-        stop()
-    rows = phase_table(run)
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(run, rows, args.out / "autoscaling.png")
+    doc = measure(args.artifacts, parse_phases(args.phases), args.slots)
+    plot(doc, args.out / "autoscaling.png")
     raw = args.artifacts / "bench" / "autoscaling.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
-    raw.write_text(json.dumps(
-        {"autoscaling_config": AUTOSCALING, "slots": args.slots, "phases": rows, "samples": run["samples"],
-         "requests": [_outcome_dict(o, run["t0"]) for o in run["outcomes"]]}, indent=1))
-    print(markdown(rows))
+    raw.write_text(json.dumps(doc, indent=1))
+    print(markdown(doc["phases"]))
     print(f"wrote {args.out / 'autoscaling.png'} and {raw}", file=sys.stderr)
     return 0
+
+
+def parse_phases(text: str) -> tuple[tuple[int, float], ...]:
+    """`2:30,32:90` -> ((2, 30.0), (32, 90.0))."""
+    return tuple((int(c), float(s)) for c, s in (x.split(":") for x in text.split(",")))
+
+
+def phases_arg(phases: tuple[tuple[int, float], ...]) -> str:
+    return ",".join(f"{c}:{s:g}" for c, s in phases)
 
 
 if __name__ == "__main__":

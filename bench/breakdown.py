@@ -1,7 +1,6 @@
 """Where an engine step's time goes: inside ONNX Runtime per graph vs the Python around it, per batch size.
 
     python -m bench.breakdown artifacts/bundles/generate artifacts/bundles/translate --concurrency 1 8 32
-    python -m bench.breakdown BUNDLE ... --baseline 6a31290      # the engine at that commit, side by side
 
 One continuous-batching Engine per bundle, in-process, C clients in a closed loop (bench/engine.py's workload:
 prompts of 4-24 tokens, outputs spread over --min-new..--max-new, eos ignored), greedy. The engine is timed
@@ -14,9 +13,8 @@ time divided by its steps is the time per step. Per step, in milliseconds:
 - `engine loop`: the rest of the wall time (scheduling, turning tokens into events, finishing requests, the
   hand-off of the events to the event loop).
 
-`--baseline REF` measures the engine of another git revision (a temporary worktree on PYTHONPATH, the same
-bundles) in a separate process, alternated with this tree's, round by round: the before and after of a change.
-Each configuration keeps its fastest round (noise only ever slows a run down).
+Each round measures in a fresh process; each model and concurrency keeps its fastest round (noise only ever
+slows a run down).
 
 Does not measure: HTTP (bench/http_path.py), output quality. Owns this breakdown only.
 """
@@ -24,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from bench.markdown import rel_path
 
@@ -129,71 +125,42 @@ def measure(bundles: list[Path], concurrency: list[int], threads: int = 1, reque
             for b in bundles}
 
 
-@contextlib.contextmanager
-def worktree(ref: str) -> Iterator[Path]:
-    """A temporary detached git worktree of `ref` (removed afterwards)."""
-    path = Path(tempfile.mkdtemp(prefix="kvserve-baseline-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=ROOT, check=True,
-                   capture_output=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
-
-
-def _pass(bundles: list[Path], args: list[str], engine_root: Path | None) -> dict[str, Any]:
-    """One measuring pass in a fresh process: this tree's engine, or the one under `engine_root` (put first on
-    sys.path before the engine is imported; this module itself comes from this tree)."""
+def _pass(bundles: list[Path], args: list[str]) -> dict[str, Any]:
+    """One measuring pass in a fresh process (an engine that has run before carries its warm state)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "bench.breakdown", *map(str, bundles), *args, "--one-pass",
-           *(["--engine-root", str(engine_root)] if engine_root else [])]
+    cmd = [sys.executable, "-m", "bench.breakdown", *map(str, bundles), *args, "--one-pass"]
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout)
 
 
 def run(bundles: list[Path], concurrency: list[int], threads: int = 1, rounds: int = 2, requests_per_client: int = 4,
-        min_new: int = 8, max_new: int = 64, baseline: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """`rounds` passes per engine (this tree's, and `baseline`'s when given, alternated; order flipped each
-    round); per engine, bundle and concurrency the fastest pass. Returns the section's JSON."""
+        min_new: int = 8, max_new: int = 64, progress: bool = True) -> dict[str, Any]:
+    """`rounds` passes; per bundle and concurrency the fastest pass. Returns the section's JSON."""
     bundles = [b.resolve() for b in bundles]
-    engines: dict[str, Path | None] = {"current": None}
-    with contextlib.ExitStack() as stack:
-        if baseline:
-            engines[f"baseline {baseline}"] = stack.enter_context(worktree(baseline))
-        passes: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
-        for r in range(rounds):
-            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-            for name in order:
-                args = ["--concurrency", *map(str, concurrency), "--threads", str(threads), "--requests-per-client",
-                        str(requests_per_client), "--min-new", str(min_new), "--max-new", str(max_new),
-                        "--seed", str(r)]
-                passes[name].append(_pass(bundles, args, engines[name]))
-                if progress:
-                    print(f"  breakdown round {r + 1}/{rounds}: {name} done", file=sys.stderr, flush=True)
-    result: dict[str, Any] = {"concurrency": concurrency, "threads": threads, "rounds": rounds,
-                              "requests_per_client": requests_per_client, "min_new": min_new, "max_new": max_new,
-                              "categories": list(CATEGORIES), "baseline": baseline, "engines": {}}
-    for name, ps in passes.items():
-        models = []
-        for b in bundles:
-            rows = [max((p[str(b)][i] for p in ps), key=lambda row: row["tokens_per_s"])
-                    for i in range(len(concurrency))]
-            models.append({"bundle": rel_path(b), "rows": rows})
-        result["engines"][name] = models
-    return result
+    passes: list[dict[str, Any]] = []
+    for r in range(rounds):
+        args = ["--concurrency", *map(str, concurrency), "--threads", str(threads), "--requests-per-client",
+                str(requests_per_client), "--min-new", str(min_new), "--max-new", str(max_new), "--seed", str(r)]
+        passes.append(_pass(bundles, args))
+        if progress:
+            print(f"  breakdown round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    models = [{"bundle": rel_path(b), "rows": [max((p[str(b)][i] for p in passes), key=lambda row: row["tokens_per_s"])
+                                              for i in range(len(concurrency))]} for b in bundles]
+    return {"concurrency": concurrency, "threads": threads, "rounds": rounds,
+            "requests_per_client": requests_per_client, "min_new": min_new, "max_new": max_new,
+            "categories": list(CATEGORIES), "models": models}
 
 
 def table(result: dict[str, Any]) -> str:
-    """Markdown: one row per engine, model and concurrency; ms per step by category (share of the step)."""
-    head = ["engine", "model", "clients", "rows/step", "ms/step", *CATEGORIES, "tokens/s"]
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + " |"]
-    for name, models in result["engines"].items():
-        for m in models:
-            for r in m["rows"]:
-                cells = [f"{r['per_step_ms'][k]:.3f} ({100 * r['share'][k]:.0f}%)" for k in CATEGORIES]
-                lines.append(f"| {name} | {Path(m['bundle']).name} | {r['concurrency']} | {r['rows_per_step']:.1f} | "
-                             f"{r['step_ms']:.3f} | " + " | ".join(cells) + f" | {r['tokens_per_s']:,.0f} |")
+    """Markdown: one row per model and concurrency; ms per step by category (share of the step)."""
+    head = ["model", "clients", "rows/step", "ms/step", *CATEGORIES, "tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + " |"]
+    for m in result["models"]:
+        for r in m["rows"]:
+            cells = [f"{r['per_step_ms'][k]:.3f} ({100 * r['share'][k]:.0f}%)" for k in CATEGORIES]
+            lines.append(f"| {Path(m['bundle']).name} | {r['concurrency']} | {r['rows_per_step']:.1f} | "
+                         f"{r['step_ms']:.3f} | " + " | ".join(cells) + f" | {r['tokens_per_s']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -206,20 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-new", type=int, default=8)
     p.add_argument("--max-new", type=int, default=64)
-    p.add_argument("--baseline", help="a git revision whose engine runs side by side (before/after)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--one-pass", action="store_true", help=argparse.SUPPRESS)  # a subprocess of run()
-    p.add_argument("--engine-root", type=Path, help=argparse.SUPPRESS)  # ... measuring the engine of that tree
     p.add_argument("--out", type=Path, help="write the JSON here")
     args = p.parse_args(argv)
     if args.one_pass:
-        if args.engine_root:
-            sys.path.insert(0, str(args.engine_root))  # before anything imports serving/ or export/
         print(json.dumps(measure(args.bundles, args.concurrency, args.threads, args.requests_per_client,
                                  args.min_new, args.max_new, args.seed)))
         return 0
     result = run(args.bundles, args.concurrency, args.threads, args.rounds, args.requests_per_client, args.min_new,
-                 args.max_new, args.baseline)
+                 args.max_new)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

@@ -11,15 +11,17 @@ Sections, each measured side by side (alternated, medians, ratios) on this machi
     http_path  tokens/s through HTTP vs in-process and every process's CPU, per data plane and placement
                (bench/http_path.py): Ray's Python proxy with a model deployment, then kvserve's defaults
     breakdown  an engine step's time inside ONNX Runtime vs the Python around it, per batch size, for both
-               models, this tree's engine beside the one at `BenchPlan.baseline` (bench/breakdown.py)
-    agreement  `kvserve loadtest` vs Locust headless on the same server and requests (bench/agreement.py)
+               models (bench/breakdown.py)
+    autoscale  replicas of the generate model under a ramp of clients, autoscaled on the engines' load
+               (bench/autoscale.py; its plot goes to img/ beside the doc)
+The report's "At a glance" lines and the published models' table are copied into README.md (bench/readme.py).
 Raw results go to ARTIFACTS/bench/ (one JSON per section, the load reports, the Serve config used, the
 CTranslate2 model); `--sections` re-runs some sections and renders the doc with the saved others (their
 dates are in the doc); a failed section is reported in the doc and makes the exit status 1.
 
 Measures nothing itself: each section's module does, and the doc's text is bench/report.py's. Does not
-measure training speed (`python -m bench.train_step`, run apart) or model quality (`kvserve evaluate`).
-Owns the plan (the default run fits in ~15 minutes on 2 cores; `--quick` is for tests), the artifacts it
+measure training speed (`kvserve train` prints its own) or model quality (`kvserve evaluate`).
+Owns the plan (the default run takes ~30 minutes on 2 cores; `--quick` is for tests), the artifacts it
 expects, the subprocess commands and the CLI.
 """
 from __future__ import annotations
@@ -36,10 +38,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.autoscale import DEFAULT_PHASES as AUTOSCALE_PHASES
 from bench.http import HttpPlan
 from bench.markdown import rel_path as _rel
 
-SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "agreement")
+SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "autoscale")
 # http_path: Ray's default data plane and placement (what kvserve ran before choosing), then kvserve serve's
 HTTP_PATH_SERVERS = (("python", "split"), ("haproxy", "split"), ("haproxy", "colocated"))
 WEIGHTS = "model.safetensors"  # a checkpoint's weights file (model/checkpoint.py)
@@ -51,9 +54,7 @@ class BenchPlan:
     threads: int = 1  # intra-op threads of every in-process backend (as the serve config gives a replica)
     http: HttpPlan = field(default_factory=HttpPlan)
     http_path_seconds: float = 10.0
-    agreement_seconds: float = 30.0
-    agreement_rounds: int = 2
-    path_tokens: int = 64  # output tokens per request of the http_path and agreement sections
+    path_tokens: int = 64  # output tokens per request of the http_path section
     step_batches: tuple[int, ...] = (1, 16)
     step_context: int = 32
     step_iters: int = 200
@@ -73,9 +74,8 @@ class BenchPlan:
     breakdown_rounds: int = 5  # this machine drifts: the fastest of more rounds
     breakdown_requests_per_client: int = 4
     breakdown_max_new: int = 64
-    # The engine measured beside this tree's in the breakdown section (before/after): the last commit before
-    # the step-time work of the engine (IOBindings bound once, ...). None: this tree's engine alone.
-    baseline: str | None = "6a31290"
+    autoscale_phases: tuple[tuple[int, float], ...] = AUTOSCALE_PHASES  # (clients, seconds) per phase
+    autoscale_slots: int = 8  # KV slots per replica: 32 clients need more than one replica
     gemm_n: int = 2048
     gemm_reps: int = 5
     sweep_batches: tuple[int, ...] = (1, 8, 32, 64)
@@ -91,8 +91,9 @@ QUICK = BenchPlan(
     engine_requests_per_client=1, engine_min_new=2, engine_max_new=8, translate_sentences=8,
     translate_concurrency=(1, 4), translate_rounds=1, translate_max_new=16, gemm_n=256, gemm_reps=2,
     sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16), http_path_seconds=2.0,
-    agreement_seconds=3.0, agreement_rounds=1, path_tokens=4, breakdown_concurrency=(1, 4), breakdown_rounds=1,
-    breakdown_requests_per_client=1, breakdown_max_new=8, baseline=None)
+    path_tokens=4, breakdown_concurrency=(1, 4), breakdown_rounds=1,
+    breakdown_requests_per_client=1, breakdown_max_new=8, autoscale_phases=((1, 3.0), (4, 20.0), (1, 20.0)),
+    autoscale_slots=2)
 
 
 @dataclass(frozen=True)
@@ -156,9 +157,8 @@ def section_inprocess(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
     out: dict[str, Any] = {"step": {}}
     for task in ("generate", "translate"):
         fp32 = art.require_bundle(task)
-        int8 = art.bundle(f"{task}-int8")
-        args = ["--checkpoint", _rel(art.checkpoint_of(fp32)), "--fp32", _rel(fp32),
-                *(["--int8", _rel(int8)] if (int8 / "manifest.json").is_file() else []),
+        int8 = _variant_bundle(art, task, "int8", commands)
+        args = ["--checkpoint", _rel(art.checkpoint_of(fp32)), "--fp32", _rel(fp32), "--int8", _rel(int8),
                 "--batches", *map(str, plan.step_batches), "--context", str(plan.step_context),
                 "--iters", str(plan.step_iters), "--threads", str(plan.threads)]
         text = _run([sys.executable, "-m", "bench.decode_step", *args], ["python", "-m", "bench.decode_step", *args],
@@ -193,11 +193,7 @@ def section_translate(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
     sentences = load_sentences(art.data, plan.translate_sentences)
     out: dict[str, Any] = {}
     for precision in plan.translate_precisions:
-        ours = bundle if precision == "fp32" else art.bundle(f"translate-{precision}")
-        if precision != "fp32" and not _bundle_of(ours, art, ckpt):
-            args = ["export", _rel(ckpt), "--variant", precision, "--out", _rel(ours), "--force",
-                    "--check-sentences", "0"]
-            _run([sys.executable, "-m", "kvserve.cli", *args], ["kvserve", *args], commands)
+        ours = bundle if precision == "fp32" else _variant_bundle(art, "translate", precision, commands)
         ct2_dir = art.work / ("ct2-translate" if precision == "fp32" else f"ct2-translate-{precision}")
         args = ["export", _rel(ckpt), "--format", "ctranslate2", "--out", _rel(ct2_dir), "--force",
                 *(["--ct2-quantization", precision] if precision != "fp32" else [])]
@@ -211,6 +207,17 @@ def section_translate(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
         else:
             out.setdefault("variants", {})[precision] = body
     return out
+
+
+def _variant_bundle(art: Artifacts, task: str, variant: str, commands: list[str]) -> Path:
+    """ARTIFACTS/bundles/<task>-<variant>, exported from the checkpoint of the task's fp32 bundle when it is missing
+    or holds other weights (the quality gate is the export's own business: `kvserve export` runs it)."""
+    ckpt = art.checkpoint_of(art.require_bundle(task))
+    bundle = art.bundle(f"{task}-{variant}")
+    if not _bundle_of(bundle, art, ckpt):
+        args = ["export", _rel(ckpt), "--variant", variant, "--out", _rel(bundle), "--force", "--check-sentences", "0"]
+        _run([sys.executable, "-m", "kvserve.cli", *args], ["kvserve", *args], commands)
+    return bundle
 
 
 def _bundle_of(bundle: Path, art: Artifacts, ckpt: Path) -> bool:
@@ -227,11 +234,11 @@ def section_breakdown(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
     bundles = [art.require_bundle("generate"), art.require_bundle("translate")]
     p = plan
     result = run(bundles, list(p.breakdown_concurrency), p.threads, p.breakdown_rounds, p.breakdown_requests_per_client,
-                 max_new=p.breakdown_max_new, baseline=p.baseline)
+                 max_new=p.breakdown_max_new)
     commands.append(shlex.join(["python", "-m", "bench.breakdown", *map(_rel, bundles), "--concurrency",
                                 *map(str, p.breakdown_concurrency), "--threads", str(p.threads), "--rounds",
                                 str(p.breakdown_rounds), "--requests-per-client", str(p.breakdown_requests_per_client),
-                                "--max-new", str(p.breakdown_max_new), *(["--baseline", p.baseline] if p.baseline else [])]))
+                                "--max-new", str(p.breakdown_max_new)]))
     return result
 
 
@@ -263,22 +270,26 @@ def section_http_path(art: Artifacts, plan: BenchPlan, commands: list[str]) -> d
     return result
 
 
-def section_agreement(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
-    from bench.agreement import compare
+def section_autoscale(art: Artifacts, plan: BenchPlan, commands: list[str], img: Path) -> dict[str, Any]:
+    from bench.autoscale import measure, phases_arg, plot
 
-    result = compare(art.require_bundle("generate"), art.data, plan.agreement_seconds, plan.agreement_rounds,
-                     art.work / "agreement", plan.path_tokens)
-    commands.append(f"python -m bench.agreement --seconds {plan.agreement_seconds:g} --rounds {plan.agreement_rounds}")
-    return result
+    art.require_bundle("generate")
+    doc = measure(art.root, plan.autoscale_phases, plan.autoscale_slots)
+    plot(doc, img / "autoscaling.png")
+    commands.append(shlex.join(["python", "-m", "bench.autoscale", "--artifacts", _rel(art.root), "--out", _rel(img),
+                                "--phases", phases_arg(plan.autoscale_phases), "--slots", str(plan.autoscale_slots)]))
+    (art.work / "autoscaling_requests.json").write_text(json.dumps(doc.pop("requests")) + "\n")
+    return {**doc, "plot": "img/autoscaling.png"}
 
 
-def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: Path) -> dict[str, dict[str, Any]]:
-    """Run the given sections in order; each one's JSON (or its error) is saved to the work dir."""
+def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: Path, img: Path,
+                 commit: str) -> dict[str, dict[str, Any]]:
+    """Run the given sections in order; each one's JSON (or its error), with the commit it measured, is saved to
+    the work dir."""
     runners: dict[str, Callable[..., dict[str, Any]]] = {
         "compute": section_compute, "inprocess": section_inprocess, "translate": section_translate,
         "breakdown": section_breakdown, "http": lambda a, p, c: section_http(a, p, c, shipped),
-        "http_path": section_http_path,
-        "agreement": section_agreement}
+        "http_path": section_http_path, "autoscale": lambda a, p, c: section_autoscale(a, p, c, img)}
     results = {}
     for name in sections:
         commands: list[str] = []
@@ -290,7 +301,7 @@ def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: 
             traceback.print_exc()
             body = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         body.update(section=name, commands=commands, elapsed_s=round(time.perf_counter() - t0, 1),
-                    date_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                    date_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), git=commit)
         (art.work / f"{name}.json").write_text(json.dumps(body, indent=2, default=str) + "\n")
         results[name] = body
     return results
@@ -307,8 +318,9 @@ def saved_sections(art: Artifacts, skip: list[str]) -> dict[str, dict[str, Any]]
 
 def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] | None = None,
           work: Path | None = None, shipped: Path = ROOT / "deploy" / "serve_config.yaml",
-          threads: int | None = None, render_only: bool = False) -> int:
-    """Run `sections` (default all), write the doc; 0 when every section in the doc succeeded."""
+          threads: int | None = None, render_only: bool = False, readme: Path | None = None) -> int:
+    """Run `sections` (default all), write the doc and, given `readme`, the README's figures from it (and its
+    models table from published/: bench/readme.py); 0 when every section in the doc succeeded."""
     from bench.compute import machine
     from bench.report import render
 
@@ -317,22 +329,37 @@ def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] |
     art = Artifacts(artifacts, work or artifacts / "bench")
     art.work.mkdir(parents=True, exist_ok=True)
     todo = [] if render_only else list(sections or SECTIONS)
+    # the commit measured, read before the sections write their outputs (docs/img) into the tree
+    measured_on = machine(ROOT)
     t0 = time.perf_counter()
-    results = {**saved_sections(art, todo), **run_sections(art, plan, todo, shipped)}
+    results = {**saved_sections(art, todo),
+               **run_sections(art, plan, todo, shipped, out.parent / "img", measured_on["git"])}
     elapsed = time.perf_counter() - t0
     invocation = ["kvserve", "bench", "--artifacts", _rel(artifacts), "--out", _rel(out)] + (["--quick"] if quick else [])
-    doc = render({name: results[name] for name in SECTIONS if name in results}, machine(ROOT), asdict(plan),
+    measured_on["date_utc"] = machine(ROOT)["date_utc"]
+    # the doc names the commits its sections measured (saved ones may be older than this checkout)
+    measured_on["git"] = ", ".join(sorted({r["git"] for r in results.values() if r.get("git")})) or measured_on["git"]
+    doc = render({name: results[name] for name in SECTIONS if name in results}, measured_on, asdict(plan),
                  shlex.join(invocation), elapsed if not render_only else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
     print(f"==> wrote {out} ({elapsed / 60:.1f} min)", file=sys.stderr, flush=True)
+    if readme is not None:
+        from bench.readme import update
+
+        changed = update(readme, out, ROOT / "published")
+        print(f"==> {readme}: {', '.join(changed) or 'no'} block(s) rewritten", file=sys.stderr, flush=True)
     return 0 if results and all(r.get("ok") for r in results.values()) else 1
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    return bench(Path(args.artifacts), Path(args.out), quick=args.quick, sections=args.sections,
+    out = Path(args.out)
+    # this checkout's README shows the figures of this checkout's report, not of a report written elsewhere
+    readme = Path(args.readme) if args.readme else (
+        ROOT / "README.md" if out.resolve() == ROOT / "docs" / "benchmarks.md" else None)
+    return bench(Path(args.artifacts), out, quick=args.quick, sections=args.sections,
                  work=Path(args.work) if args.work else None, shipped=Path(args.config), threads=args.threads,
-                 render_only=args.render_only)
+                 render_only=args.render_only, readme=readme)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -351,4 +378,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=str(ROOT / "deploy" / "serve_config.yaml"),
                    help="the shipped Serve config the HTTP section starts from")
     p.add_argument("--threads", type=int, help="intra-op threads of the in-process backends (default: 1)")
+    p.add_argument("--readme", help="README.md whose figures to rewrite from the report (default: this checkout's, "
+                                    "when --out is its docs/benchmarks.md)")
     p.set_defaults(func=_cmd_bench)

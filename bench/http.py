@@ -170,13 +170,13 @@ class BenchServer:
         self.pids: set[int] = set()
 
     def __enter__(self) -> "BenchServer":
-        import ray
-        from serving.server.launch import prepare_config, start, use_fast_data_plane
+        from serving.server.launch import prepare_config, start
+        from serving.server.ray_env import init_local_ray
 
         self.raw = prepare_config(self.config_path)
-        use_fast_data_plane()  # the data plane `kvserve serve` runs (serving/server/launch.py)
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False,
-                 _system_config={"metrics_report_interval_ms": 1000})
+        # the local cluster `kvserve serve` runs (serving/server/ray_env.py)
+        init_local_ray(max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False,
+                       _system_config={"metrics_report_interval_ms": 1000})
         try:
             start(self.raw, timeout_s=600)
         except BaseException:

@@ -141,8 +141,8 @@ DATA_PLANES = {"haproxy": "1", "python": "0"}  # Serve's HAProxy data plane (kvs
 
 @contextlib.contextmanager
 def data_plane(name: str) -> Iterator[None]:
-    """Ray started inside this block gets `name`'s data plane (serving/server/launch.py DATA_PLANE_ENV)."""
-    from serving.server.launch import DATA_PLANE_ENV
+    """Ray started inside this block gets `name`'s data plane (serving/server/ray_env.py DATA_PLANE_ENV)."""
+    from serving.server.ray_env import DATA_PLANE_ENV
 
     saved = {k: os.environ.get(k) for k in DATA_PLANE_ENV}
     os.environ.update({k: DATA_PLANES[name] for k in DATA_PLANE_ENV})

@@ -49,6 +49,7 @@ def commands(body: dict[str, Any]) -> list[str]:
 
 
 def section_date(body: dict[str, Any]) -> str:
-    return f"_Measured {body.get('date_utc')}, {body.get('elapsed_s', 0) / 60:.1f} min._"
+    at = f" at git {body['git']}" if body.get("git") else ""
+    return f"_Measured {body.get('date_utc')}{at}, {body.get('elapsed_s', 0) / 60:.1f} min._"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from bench.markdown import commands as _commands
 from bench.markdown import failed as _failed
 from bench.markdown import gflops, section_date as _section_date, t, x
-from bench.report_http import http_summary, render_agreement, render_http, render_http_path
+from bench.report_http import http_summary, render_http, render_http_path
 
 
 # -- 2. In-process -------------------------------------------------------------------------------------
@@ -155,18 +155,6 @@ def _where_ct2_is_ahead(b: dict[str, Any]) -> list[str]:
 
 
 # -- 5. Step-time breakdown --------------------------------------------------------------------------------------
-def breakdown_gain(b: dict[str, Any], model: str) -> tuple[float, float, int] | None:
-    """(this tree's tokens/s, the baseline's, clients) for `model` at the highest concurrency, when measured."""
-    engines = b.get("engines", {})
-    base = next((name for name in engines if name != "current"), None)
-
-    def at_top(models: list[dict[str, Any]]) -> dict[str, Any] | None:
-        rows = next((m["rows"] for m in models if m["bundle"].rstrip("/").endswith(model)), None)
-        return max(rows, key=lambda r: r["concurrency"]) if rows else None
-    now, before = (at_top(engines["current"]), at_top(engines[base])) if base else (None, None)
-    return (now["tokens_per_s"], before["tokens_per_s"], now["concurrency"]) if now and before else None
-
-
 def render_breakdown(b: dict[str, Any]) -> list[str]:
     out = ["## 5. Where an engine step's time goes", ""]
     if not b.get("ok"):
@@ -178,16 +166,9 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
             f"thread(s), outputs of {b['min_new']}-{b['max_new']} tokens, greedy), timed from outside like a profiler: "
             "a clock around every ONNX Runtime call per graph and around the runner's step (bench/breakdown.py). "
             "`runner python` = the runner outside ORT (inputs, bindings, argmax, slot copies); `engine loop` = "
-            "the rest of the wall time (scheduling, events, finishing requests, thread hand-offs). "
-            + (f"`baseline {b['baseline']}` is the engine of that commit on the same bundles, alternated with this "
-               f"tree's in separate processes; " if b.get("baseline") else "")
-            + f"the fastest of {b['rounds']} round(s) each.", "", table(b), ""]
-    for model in ("generate", "translate"):
-        gain = breakdown_gain(b, model)
-        if gain:
-            out.append(f"{model}, {gain[2]} clients: {gain[0]:,.0f} tokens/s, {x(gain[0] / gain[1])} the baseline's "
-                       f"{gain[1]:,.0f}.")
-    return out + [""] + _commands(b)
+            "the rest of the wall time (scheduling, events, finishing requests, thread hand-offs); the fastest of "
+            f"{b['rounds']} round(s), each in a fresh process.", "", table(b), ""]
+    return out + _commands(b)
 
 
 # -- 4. Share of peak ----------------------------------------------------------------------------------------
@@ -224,9 +205,7 @@ def render_compute(b: dict[str, Any], inproc: dict[str, Any] | None) -> list[str
                 "attention streams every row's cached keys and values from memory, while a lone request's stay "
                 "in the CPU's caches. This, not the engine, bounds continuous batching's gain over no batching.", "",
                 step_scaling_markdown(b["scaling"]), ""]
-    if any(r["flops_per_s"] > peak["peak_flops_per_s"] for r in b["sweep"]):
-        out += ["**Noise warning:** a decode step measured above the matmul peak: the machine was busy while the "
-                "peak was measured; re-run this section on a quiet machine (`kvserve bench --sections compute`).", ""]
+    out += _noise_warning(b, inproc)
     if inproc and inproc.get("ok"):
         e = engine_best(inproc["engine"], cfg)
         share, share1 = e["flops_per_s"] / peak["peak_flops_per_s"], e["flops_per_s"] / peak["peak_1_thread_flops_per_s"]
@@ -250,6 +229,40 @@ def render_compute(b: dict[str, Any], inproc: dict[str, Any] | None) -> list[str
                 f"attention's memory traffic weigh more than the multiply-adds: a large square GEMM is a ceiling "
                 f"no decoder step of this size approaches.", ""]
     return out + _commands(b)
+
+
+# -- 6. Autoscaling ---------------------------------------------------------------------------------------------
+def render_autoscale(b: dict[str, Any]) -> list[str]:
+    out = ["## 6. Autoscaling under a load ramp", ""]
+    if not b.get("ok"):
+        return out + _failed(b) + _commands(b)
+    from bench.autoscale import markdown, ramp_reading
+
+    a = b["autoscaling_config"]
+    out += [_section_date(b), "",
+            f"The generate model alone in a deployment of its own, autoscaled on its engines' load (Serve's "
+            f"`autoscaling_config` with `{a['policy']['policy_function']}`, target "
+            f"{100 * a['policy']['policy_kwargs']['target_utilization']:.0f}% of the KV slots, "
+            f"{a['min_replicas']}-{a['max_replicas']} replicas, upscale delay {a['upscale_delay_s']:g} s, downscale "
+            f"delay {a['downscale_delay_s']:g} s), {b['slots']} KV slots per replica; closed-loop clients (half "
+            "streaming `/v1/generate`, half `/v1/completions`) in phases, Serve's RUNNING replicas sampled every "
+            "0.5 s. On a machine with few cores more replicas add no compute: this shows the mechanism, not a "
+            "speed-up.", "", f"![clients and replicas over time]({b['plot']})", "", markdown(b["phases"]),
+            f"The ramp: {ramp_reading(b)}.", ""]
+    return out + _commands(b)
+
+
+def _noise_warning(b: dict[str, Any], inproc: dict[str, Any] | None) -> list[str]:
+    """A warning when a decode step or the engine measured above the matmul peak (a peak measured while busy)."""
+    from bench.compute import engine_best
+
+    engines = [engine_best(inproc[k], b["model_config"]) for k in ("engine", "engine_all_cores")
+               if inproc and inproc.get("ok") and k in inproc]
+    if not any(r["flops_per_s"] > b["peak"]["peak_flops_per_s"] for r in [*b["sweep"], *engines]):
+        return []
+    return ["**Noise warning:** a decode step or the engine measured above the matmul peak: the machine was busy "
+            "while the peak was measured; re-run this section on a quiet machine (`kvserve bench --sections "
+            "compute`).", ""]
 
 
 # -- the document ----------------------------------------------------------------------------------------------
@@ -280,13 +293,6 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
     if tr.get("ok"):
         for precision, r in translate_pairs(tr):
             out.append(f"- Translation vs CTranslate2, {precision} vs {precision}: " + translate_reading(r))
-    bd = sections.get("breakdown", {})
-    if bd.get("ok"):
-        for model in ("generate", "translate"):
-            gain = breakdown_gain(bd, model)
-            if gain:
-                out.append(f"- Engine in-process, {model}, {gain[2]} clients: {gain[0]:,.0f} tokens/s; the engine at "
-                           f"{bd['baseline']}, same run: {gain[1]:,.0f} tokens/s ({x(gain[0] / gain[1])}).")
     c = sections.get("compute", {})
     if c.get("ok") and i.get("ok"):
         from bench.compute import engine_best
@@ -301,6 +307,11 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
             line += (f"; with every core as ORT threads {gflops(a['flops_per_s'])}, "
                      f"{100 * a['flops_per_s'] / peak['peak_flops_per_s']:.1f}% of the machine's")
         out.append(line + ".")
+    a = sections.get("autoscale", {})
+    if a.get("ok"):
+        from bench.autoscale import ramp_reading
+
+        out.append(f"- Autoscaling on the engines' KV-slot load, {ramp_reading(a)}.")
     failed = [n for n, s in sections.items() if not s.get("ok")]
     if failed:
         out.append(f"- **Failed sections: {', '.join(failed)}** (see below).")
@@ -310,17 +321,20 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
 def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: dict[str, Any], invocation: str,
            elapsed_s: float | None) -> str:
     took = f", {elapsed_s / 60:.1f} min" if elapsed_s is not None else ""
+    from bench.glance import glance
+    from bench.readme import markers
+
+    begin, end = markers("bench")  # README.md shows these lines (bench/readme.py)
     out = ["# Benchmarks", "",
            f"Generated by `{invocation}` (`make bench`) on {machine['date_utc']}{took}. Do not edit: run it again. "
            "Every comparison is measured side by side in one run on the machine below (A and B alternated, "
            "medians, ratios): absolute figures belong to this machine, the ratios are the result.", "",
+           "## At a glance", "", begin, *glance(sections, machine, invocation), end, "",
            *_summary(sections), *_machine(machine)]
     if "http" in sections:
         out += render_http(sections["http"], sections.get("inprocess"))
     if "http_path" in sections:
         out += render_http_path(sections["http_path"])
-    if "agreement" in sections:
-        out += render_agreement(sections["agreement"])
     if "inprocess" in sections:
         out += render_inprocess(sections["inprocess"])
     if "translate" in sections:
@@ -329,6 +343,8 @@ def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: d
         out += render_compute(sections["compute"], sections.get("inprocess"))
     if "breakdown" in sections:
         out += render_breakdown(sections["breakdown"])
+    if "autoscale" in sections:
+        out += render_autoscale(sections["autoscale"])
     from bench.gpu_check.report import BENCHMARKS_SECTION  # measured apart: `make gpu-check` on a GPU machine
 
     out += [*BENCHMARKS_SECTION, "## Plan", "", "The settings of this run (bench/cli.py `BenchPlan`):", "", "```",

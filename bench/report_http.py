@@ -1,6 +1,6 @@
 """docs/benchmarks.md, section 1: HTTP (batching modes through Ray Serve, HTTP / in-process, the HTTP path per
-data plane and placement, the load generators' agreement), and the summary lines of that section. Pure
-functions of the saved results, like bench/report.py, which assembles the document.
+data plane and placement), and the summary lines of that section. Pure functions of the saved results, like
+bench/report.py, which assembles the document.
 """
 from __future__ import annotations
 
@@ -208,17 +208,6 @@ def render_http_path(b: dict[str, Any]) -> list[str]:
                        markdown(b) if b.get("ok") else "")
 
 
-def render_agreement(b: dict[str, Any]) -> list[str]:
-    from bench.agreement import markdown
-
-    return _subsection("Load generators agree: `kvserve loadtest` vs Locust", b,
-                       f"The same server (placement `{b.get('placement')}`), {b.get('clients')} closed-loop clients "
-                       f"each, non-streaming /v1/completions of {b.get('tokens')} sampled tokens, "
-                       f"{b.get('seconds', 0):g} s per run, the two tools in turns (order alternated). Locust runs "
-                       "headless in its own process with loadtest/locustfile.py, which counts the output tokens of "
-                       "every answer.", markdown(b) if b.get("ok") else "")
-
-
 def http_summary(sections: dict[str, dict[str, Any]]) -> list[str]:
     """The summary's lines for section 1."""
     out = []
@@ -239,7 +228,4 @@ def http_summary(sections: dict[str, dict[str, Any]]) -> list[str]:
         out.append(f"- The HTTP path, Ray's {first.get('data_plane')} proxy with a {first.get('placement')} model vs "
                    f"kvserve's {last.get('data_plane')} data plane with a {last.get('placement')} model: "
                    + "; ".join(f"{k} {a:.0f} -> {b:.0f} tok/s ({b / a:.2f}x)" for k, a, b in pairs if a and b) + ".")
-    ag = sections.get("agreement", {})
-    if ag.get("ok"):
-        out.append(f"- Load generators: Locust / `kvserve loadtest` output tok/s = {ag['locust_over_kvserve']:.3f}.")
     return out

@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                         "each model in a deployment of its own")
     args = p.parse_args(argv)
     from serving.server.config import validate_serve_config
-    from serving.server.launch import MALLOC_ENV, cpus_needed, start, stop
+    from serving.server.launch import cpus_needed, start, stop
+    from serving.server.ray_env import MALLOC_ENV
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = args.share * first
         print(f"capacity measured; soaking at {rate:.1f} req/s for {args.minutes:g} min", file=sys.stderr)
         run = asyncio.run(soak(base, rate, args.minutes * 60))
-        env = processes()["ingress"].environ()  # what the server's processes run with (launch.MALLOC_ENV)
+        env = processes()["ingress"].environ()  # what the server's processes run with (ray_env.MALLOC_ENV)
         idle = idle_after(base)
         aged = aging(cfg, base, first, rate, args.compare_seconds)
     finally:

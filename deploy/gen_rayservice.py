@@ -26,6 +26,12 @@ serving/) and what runs in images and on Kubernetes. Every difference is an expl
 7. Graceful stop: every deployment (the ingress included) waits for its in-flight requests at least as
    long as a request may run (`args.limits.request_timeout_s`) before a replica stops, so deleting a pod
    lets its streams finish (deploy/README.md, "Deleting a pod").
+8. Pinned bundles: each model whose bundle is a published model's (published/<name>, what `make serve`
+   exports and the images bake) gets that bundle's content hash as `bundle_sha256`, so a replica refuses a
+   bundle swapped on the image or the models volume (serving/server/config.py ModelSpec). A config of other
+   bundles keeps its own pins; deploy/validate.py refuses a model without one.
+9. /metrics behind the API key (`args.metrics_require_key`): Prometheus scrapes each Ray pod's metrics port
+   (deploy/k8s/base/podmonitors.yaml), not the API, so no unauthenticated answer names the models.
 
 Writes (and with --check only compares):
 - deploy/k8s/base/rayservice.yaml            rayservice.template.yaml + serveConfigV2 (GPU variant)
@@ -85,6 +91,7 @@ INGRESS_AUTOSCALING: dict[str, Any] = {
     "downscale_delay_s": 300,
 }
 API_KEY_ENV = "KVSERVE_API_KEY"
+PUBLISHED = DEPLOY.parent / "published"  # published/<name>/manifest.json: bundle.sha256 of its export
 
 
 def load_serve_config(path: Path = SERVE_CONFIG) -> dict[str, Any]:
@@ -106,6 +113,8 @@ def image_serve_config(cfg: dict[str, Any], variant: Variant) -> dict[str, Any]:
     for app in kvserve_apps:
         models = _rewrite_bundles(app)
         _key_from_environment(app)
+        _pin_published_bundles(app)
+        app["args"]["metrics_require_key"] = True
         stop_wait_s = _request_timeout_s(app)
         colocated = sum(1 for m in app["args"]["models"] if m.get("colocated"))
         for dep in app.get("deployments", []):
@@ -128,6 +137,17 @@ def _rewrite_bundles(app: dict[str, Any]) -> set[str]:
             model["canary"]["bundle"] = Path(model["canary"]["bundle"]).name
             names.add(model["name"] + "-canary")
     return names
+
+
+def _pin_published_bundles(app: dict[str, Any]) -> None:
+    """`bundle_sha256` of each model (and canary) whose bundle is a published model's export, unless pinned."""
+    import json
+
+    for model in app["args"].get("models", []):
+        for spec in (model, model.get("canary") or {}):
+            manifest = PUBLISHED / str(spec.get("bundle", "")) / "manifest.json"
+            if spec and "bundle_sha256" not in spec and manifest.is_file():
+                spec["bundle_sha256"] = json.loads(manifest.read_text())["bundle"]["sha256"]
 
 
 def _key_from_environment(app: dict[str, Any]) -> None:

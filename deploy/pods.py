@@ -12,6 +12,10 @@
   the drain deadline) and drains the node's proxy (503 on its health check, in-flight requests finish). The
   numbers must nest: request deadline <= graceful_shutdown_timeout_s; graceful_shutdown_timeout_s + time
   for a replacement <= drain; preStop + drain + Ray's teardown <= terminationGracePeriodSeconds.
+- Least privilege: no pod mounts the ServiceAccount token automatically (`automountServiceAccountToken: false`),
+  and no Ray container mounts a token volume of its own; only KubeRay's autoscaler container may (through
+  `autoscalerOptions.volumeMounts`). Every container's root filesystem is read-only, with a writable volume at
+  /tmp, where Ray keeps its session directory (/tmp/ray).
 
 Not here: network exposure (deploy/exposure.py), schemas and the rest of the KubeRay facts (validate.py).
 """
@@ -25,6 +29,7 @@ KVSERVE_IMPORT_PATH = "serving.server.app:build_app"
 DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 MIGRATION_MARGIN_S = 20  # for a replacement replica to start (load and warm a bundle) before the old one stops
 TEARDOWN_MARGIN_S = 10   # Ray stops its processes after the drain: 1 s each, then SIGKILL
+RAY_TMP = "/tmp"  # Ray's session directory is /tmp/ray: logs, sockets, spilled objects
 
 
 def _containers(group: Doc) -> list[Doc]:
@@ -95,4 +100,46 @@ def graceful_errors(serve: Doc, group: Doc) -> list[str]:
     if grace < pre_stop_s + drain_s + TEARDOWN_MARGIN_S:
         errors.append(f"group {name}: terminationGracePeriodSeconds={grace} < preStop {pre_stop_s:g} s + drain "
                       f"{drain_s:g} s + {TEARDOWN_MARGIN_S} s teardown: Kubernetes would kill the pod mid-drain")
+    return errors
+
+
+def privilege_errors(cluster: Doc) -> list[str]:
+    """No ServiceAccount token in the Ray containers, read-only root filesystems with a writable /tmp: in the
+    head, every worker group and KubeRay's autoscaler (`cluster` is a RayService's rayClusterConfig)."""
+    errors = []
+    groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+    for group in groups:
+        name, spec = group.get("groupName", "head"), group["template"]["spec"]
+        automount = spec.get("automountServiceAccountToken")
+        if automount is not False:
+            shown = "unset" if automount is None else automount
+            errors.append(f"group {name}: automountServiceAccountToken is {shown}: Kubernetes mounts the ServiceAccount "
+                          f"token into every container, and code running in a replica could call the Kubernetes API "
+                          f"with it; set it to false")
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        tokens = {n for n, v in volumes.items()
+                  if any("serviceAccountToken" in s for s in (v.get("projected") or {}).get("sources") or [])}
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            where = f"group {name}: container {c['name']}"
+            errors += _filesystem_errors(where, c.get("securityContext"), c.get("volumeMounts") or [], volumes)
+            errors += [f"{where} mounts the ServiceAccount token volume {m['name']}: only the autoscaler "
+                       f"(autoscalerOptions.volumeMounts) needs the Kubernetes API"
+                       for m in c.get("volumeMounts") or [] if m["name"] in tokens]
+    if cluster.get("enableInTreeAutoscaling"):
+        options = cluster.get("autoscalerOptions") or {}
+        head_volumes = {v["name"]: v for v in cluster["headGroupSpec"]["template"]["spec"].get("volumes") or []}
+        errors += _filesystem_errors("autoscalerOptions (the autoscaler container)", options.get("securityContext"),
+                                     options.get("volumeMounts") or [], head_volumes)
+    return errors
+
+
+def _filesystem_errors(where: str, security: Doc | None, mounts: list[Doc], volumes: dict[str, Doc]) -> list[str]:
+    errors = [f"{where}: volumeMount {m['name']} names no volume of the pod: the pod would not start"
+              for m in mounts if m["name"] not in volumes]
+    if (security or {}).get("readOnlyRootFilesystem") is not True:
+        errors.append(f"{where}: securityContext.readOnlyRootFilesystem must be true: code running there could "
+                      f"rewrite the image's programs and libraries; mount an emptyDir where it writes ({RAY_TMP})")
+    elif not any(m["mountPath"] == RAY_TMP and not m.get("readOnly") and m["name"] in volumes for m in mounts):
+        errors.append(f"{where}: the root filesystem is read-only but nothing writable is mounted at {RAY_TMP}: "
+                      f"Ray writes its session directory (/tmp/ray) there; mount an emptyDir")
     return errors

@@ -10,16 +10,20 @@ check here therefore treats an unknown key as an error:
 - every Serve config (serveConfigV2 and the files under deploy/): Ray's `ServeDeploySchema`, a walk that
   reports keys Ray's schema would ignore, kvserve's own `AppArgs` (serving/server/config.py), and
   `serve_safety_errors`: a bounded queue answering 429 + Retry-After on every deployment (the ingress
-  included), no plaintext API key, an API key from the environment wherever HTTP binds beyond loopback;
+  included), no plaintext API key, an API key from the environment and every bundle pinned (`bundle_sha256`)
+  wherever HTTP binds beyond loopback;
 - KubeRay facts no schema states (`check_rayservice`): upgrade strategy, head without replicas, GPU
   tolerations, requests and limits, autoscaling capacity, Ray version equal to the images', the API key
-  from a Secret, the proxy's header guard, and graceful pod deletion (preStop, Ray's drain on SIGTERM and
-  the grace period outlasting the replicas' graceful_shutdown_timeout_s);
-- exposure (deploy/exposure.py): Services, the head Service's ports, Ray token auth, NetworkPolicies;
+  from a Secret, the proxy's header guard, graceful pod deletion (preStop, Ray's drain on SIGTERM and
+  the grace period outlasting the replicas' graceful_shutdown_timeout_s), no ServiceAccount token in the Ray
+  containers and read-only root filesystems (deploy/pods.py);
+- exposure (deploy/exposure.py): Services, the head Service's ports, Ray token auth, ingress NetworkPolicies;
+- egress (deploy/egress.py): where the Ray pods may connect (their own pods, DNS, the head's API server);
 - every namespaced object in the RayService's namespace.
 
 CLI: `python deploy/validate.py` renders every overlay under deploy/k8s/overlays, validates everything and
-the Serve configs under deploy/, checks that the generated files are current, and exits 1 on any problem.
+the Serve configs under deploy/, checks that the generated files and the images' dependency locks are current
+(deploy/docker/lock.py), warns about base images not pinned by digest, and exits 1 on any problem.
 Not here: rendering (deploy/kustomize_lite.py) or generating (deploy/gen_rayservice.py).
 """
 from __future__ import annotations
@@ -202,6 +206,14 @@ def serve_safety_errors(cfg: Doc) -> list[str]:
         if host not in LOOPBACK_HOSTS and not args.get("api_key_env"):
             errors.append(f"application {name!r}: HTTP binds {host} (beyond loopback) with no API key; set "
                           f"args.api_key_env (deploy/gen_rayservice.py does for images and Kubernetes)")
+        if host not in LOOPBACK_HOSTS:
+            for model in models:
+                for where, spec in ((model.get("name"), model), (f"{model.get('name')}-canary", model.get("canary"))):
+                    if spec and not spec.get("bundle_sha256"):
+                        errors.append(f"application {name!r}: model {where!r} serves an unpinned bundle: set its "
+                                      f"bundle_sha256 (`kvserve bundle-hash DIR`), so that a bundle swapped on the "
+                                      f"image or the volume is refused (deploy/gen_rayservice.py pins the published "
+                                      f"models)")
     return errors
 
 
@@ -259,7 +271,7 @@ def check_rayservice(doc: Doc) -> list[str]:
     workers = cluster.get("workerGroupSpecs", [])
     pods = _sibling("pods")
     return (errors + _check_capacity(serve, workers) + pods.env_errors(serve, groups)
-            + [e for w in workers for e in pods.graceful_errors(serve, w)])
+            + [e for w in workers for e in pods.graceful_errors(serve, w)] + pods.privilege_errors(cluster))
 
 
 def _check_group(group: Doc) -> list[str]:
@@ -331,7 +343,7 @@ def validate_docs(docs: list[Doc]) -> list[str]:
         well_formed &= not found
         errors += found
     if well_formed:
-        errors += _sibling("exposure").check(docs) + namespace_errors(docs)
+        errors += _sibling("exposure").check(docs) + _sibling("egress").check(docs) + namespace_errors(docs)
     return errors
 
 
@@ -347,7 +359,7 @@ def namespace_errors(docs: list[Doc]) -> list[str]:
 
 def _sibling(name: str) -> ModuleType:
     """deploy/<name>.py, imported by its path once (deploy/ is a directory of scripts, not a package)."""
-    key = f"kvserve_deploy_{name}"
+    key = "kvserve_deploy_" + name.replace("/", "_")
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, DEPLOY / f"{name}.py")
         assert spec and spec.loader
@@ -363,6 +375,10 @@ def main() -> int:
     from kustomize_lite import render
 
     failed = gen_rayservice.main(["--check"]) != 0
+    lock = _sibling("docker/lock")
+    failed |= lock.main(["--check"]) != 0
+    for warning in lock.unpinned_base_images():
+        print(f"warning: {warning}")
     for path in SERVE_CONFIGS:
         errors = validate_serve_config(path.read_text(encoding="utf-8"))
         failed |= bool(errors)

@@ -16,6 +16,7 @@ module derives from the model config), and checking a graph's inputs/outputs aga
 TORCH-FREE: serving imports this. Does not own: exporting (export/onnx_export.py), sessions
 (serving/engine/runtime.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from export.contract import (DECODER_CPU_FILE, FORMAT_VERSION, MANIFEST_FILE, Dims, GraphContract,
-                             decoder_contract, encoder_contract, has_cpu_decoder)
+from export.contract import (
+    DECODER_CPU_FILE,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    Dims,
+    GraphContract,
+    decoder_contract,
+    encoder_contract,
+    has_cpu_decoder,
+)
 from model.config import Arch, ModelConfig
 
 TASKS = ("translate", "generate")
@@ -51,8 +60,14 @@ class Variant(str, Enum):
 
 
 def dims_for(cfg: ModelConfig, float_dtype: str = "float32") -> Dims:
-    return Dims(n_layers=cfg.n_decoder_layers, n_heads=cfg.n_heads, head_dim=cfg.head_dim,
-                max_len=cfg.max_len, vocab_size=cfg.vocab_size, float_dtype=float_dtype)
+    return Dims(
+        n_layers=cfg.n_decoder_layers,
+        n_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        max_len=cfg.max_len,
+        vocab_size=cfg.vocab_size,
+        float_dtype=float_dtype,
+    )
 
 
 def graph_contracts(cfg: ModelConfig, float_dtype: str = "float32") -> dict[str, GraphContract]:
@@ -127,17 +142,24 @@ class Bundle:
         data = path.read_bytes()
         want = self.manifest["files"][path.name]
         if hashlib.sha256(data).hexdigest() != want:
-            raise BundleError(f"bundle file {path} changed after the bundle was loaded (sha256 differs from "
-                              f"the manifest's {want[:12]}...); re-export the bundle")
+            raise BundleError(
+                f"bundle file {path} changed after the bundle was loaded (sha256 differs from "
+                f"the manifest's {want[:12]}...); re-export the bundle"
+            )
         return data
 
 
-def content_version(doc: dict[str, Any]) -> str:
-    """A bundle's version: 12 hex digits of a hash over what it serves (task, variant, model config, generation
-    settings and the sha256 of every file). Re-exporting the same weights gives the same version; any other
-    change, a new one."""
+def content_sha256(doc: dict[str, Any]) -> str:
+    """The sha256 over what a bundle serves (task, variant, model config, generation settings and the sha256 of
+    every file): what a Serve config pins (`bundle_sha256`). Re-exporting the same weights gives the same hash."""
     served = {k: doc[k] for k in ("task", "variant", "model_config", "files", "generation") if k in doc}
-    return hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()
+
+
+def content_version(doc: dict[str, Any]) -> str:
+    """A bundle's version: the first 12 hex digits of its `content_sha256`; any change of what it serves gives a
+    new one."""
+    return content_sha256(doc)[:12]
 
 
 def write_manifest(bundle_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -160,8 +182,10 @@ def write_manifest(bundle_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]
 
 def _read_manifest(bundle_dir: Path) -> dict[str, Any]:
     if not bundle_dir.is_dir():
-        raise BundleError(f"bundle directory {bundle_dir} does not exist; export one with "
-                          f"`kvserve export CHECKPOINT --out {bundle_dir}`")
+        raise BundleError(
+            f"bundle directory {bundle_dir} does not exist; export one with "
+            f"`kvserve export CHECKPOINT --out {bundle_dir}`"
+        )
     path = bundle_dir / MANIFEST_FILE
     if not path.is_file():
         raise BundleError(f"bundle {bundle_dir} has no {MANIFEST_FILE}: missing file {path}")
@@ -171,8 +195,10 @@ def _read_manifest(bundle_dir: Path) -> dict[str, Any]:
         raise BundleError(f"bundle file {path} is not valid JSON: {e}") from e
     version = doc.get("format_version")
     if version != FORMAT_VERSION:
-        raise BundleError(f"bundle {bundle_dir} has format_version {version!r}; this kvserve reads "
-                          f"format_version {FORMAT_VERSION}: re-export it with this kvserve")
+        raise BundleError(
+            f"bundle {bundle_dir} has format_version {version!r}; this kvserve reads "
+            f"format_version {FORMAT_VERSION}: re-export it with this kvserve"
+        )
     for key in ("task", "model_config", "variant", "graphs", "files", "tokenizer"):
         if key not in doc:
             raise BundleError(f"bundle file {path} lacks the key {key!r}")
@@ -188,18 +214,29 @@ def _verify_files(bundle_dir: Path, files: dict[str, str]) -> None:
             raise BundleError(f"bundle {bundle_dir} is incomplete: missing file {name}")
         got = sha256_file(p)
         if got != want:
-            raise BundleError(f"bundle file {p} was changed: sha256 {got[:12]}... but the manifest says "
-                              f"{want[:12]}...; restore the file or re-export the bundle")
+            raise BundleError(
+                f"bundle file {p} was changed: sha256 {got[:12]}... but the manifest says "
+                f"{want[:12]}...; restore the file or re-export the bundle"
+            )
     unlisted = sorted(p.name for p in bundle_dir.iterdir() if p.name != MANIFEST_FILE and p.name not in files)
     if unlisted:
-        raise BundleError(f"bundle {bundle_dir} holds files its manifest does not list: {unlisted}; "
-                          f"remove them or re-export the bundle")
+        raise BundleError(
+            f"bundle {bundle_dir} holds files its manifest does not list: {unlisted}; "
+            f"remove them or re-export the bundle"
+        )
 
 
-def load_bundle(bundle_dir: str | Path) -> Bundle:
-    """Load and verify a bundle; raises BundleError naming the file at fault."""
+def load_bundle(bundle_dir: str | Path, sha256: str | None = None) -> Bundle:
+    """Load and verify a bundle; raises BundleError naming the file at fault. `sha256`: the content hash the
+    bundle must have (a Serve config's `bundle_sha256`): a bundle swapped on its volume is refused, even one
+    whose manifest vouches for its own files."""
     bundle_dir = Path(bundle_dir)
     doc = _read_manifest(bundle_dir)
+    if sha256 is not None and content_sha256(doc) != sha256:
+        raise BundleError(
+            f"bundle {bundle_dir} is not the one the Serve config pins: its content hashes to "
+            f"{content_sha256(doc)}, the config's bundle_sha256 is {sha256}"
+        )
     _verify_files(bundle_dir, doc["files"])
     task = doc["task"]
     if task not in TASKS:
@@ -213,9 +250,11 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
     if "decoder_cpu" not in doc["graphs"]:  # bundles exported before decoder_cpu.onnx existed
         want.pop("decoder_cpu", None)
     if doc["graphs"] != want:
-        raise BundleError(f"bundle {bundle_dir}/{MANIFEST_FILE}: its graph contracts differ from the ones "
-                          f"export/contract.py derives from its model config (graphs {sorted(want)}); "
-                          f"re-export the bundle with this kvserve")
+        raise BundleError(
+            f"bundle {bundle_dir}/{MANIFEST_FILE}: its graph contracts differ from the ones "
+            f"export/contract.py derives from its model config (graphs {sorted(want)}); "
+            f"re-export the bundle with this kvserve"
+        )
     paths = {}
     for name, c in want.items():
         if c["file"] not in doc["files"]:
@@ -230,24 +269,37 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
             raise BundleError(f"bundle {bundle_dir}: tokenizer file {name!r} is not listed in {MANIFEST_FILE}")
     banned = tuple(int(i) for i in doc.get("generation", {}).get("banned_ids", []))
     if any(not 0 <= i < cfg.vocab_size for i in banned):
-        raise BundleError(f"bundle {bundle_dir}: generation.banned_ids {list(banned)} must be token ids in "
-                          f"[0, {cfg.vocab_size})")
+        raise BundleError(
+            f"bundle {bundle_dir}: generation.banned_ids {list(banned)} must be token ids in [0, {cfg.vocab_size})"
+        )
     _check_version(bundle_dir, doc)
-    return Bundle(dir=bundle_dir, manifest=doc, model_config=doc["model_config"], task=task, variant=variant,
-                  special_ids=dict(tok["special_ids"]), paths=paths, tokenizer_path=bundle_dir / tok["file"],
-                  tokenizer_kind=kind, banned_ids=banned)
+    return Bundle(
+        dir=bundle_dir,
+        manifest=doc,
+        model_config=doc["model_config"],
+        task=task,
+        variant=variant,
+        special_ids=dict(tok["special_ids"]),
+        paths=paths,
+        tokenizer_path=bundle_dir / tok["file"],
+        tokenizer_kind=kind,
+        banned_ids=banned,
+    )
 
 
 def _check_version(bundle_dir: Path, doc: dict[str, Any]) -> None:
     """Give a manifest without a version (written before versions existed) its version; refuse an edited one."""
     version = content_version(doc)
     if doc.setdefault("version", version) != version:
-        raise BundleError(f"bundle {bundle_dir}/{MANIFEST_FILE} says version {doc['version']!r}, but its content "
-                          f"hashes to {version!r}: the manifest was edited; re-export the bundle")
+        raise BundleError(
+            f"bundle {bundle_dir}/{MANIFEST_FILE} says version {doc['version']!r}, but its content "
+            f"hashes to {version!r}: the manifest was edited; re-export the bundle"
+        )
 
 
-def check_graph_io(contract: dict[str, Any], inputs: list[tuple[str, str, list]],
-                   outputs: list[tuple[str, str, list]], where: str) -> None:
+def check_graph_io(
+    contract: dict[str, Any], inputs: list[tuple[str, str, list]], outputs: list[tuple[str, str, list]], where: str
+) -> None:
     """A graph's (name, dtype, shape) inputs and outputs must equal its contract's, in order.
 
     A symbolic dimension must stay symbolic (a traced size must not have been baked in); its name may
@@ -256,13 +308,15 @@ def check_graph_io(contract: dict[str, Any], inputs: list[tuple[str, str, list]]
     for kind, got in (("inputs", inputs), ("outputs", outputs)):
         want = contract[kind]
         if [g[0] for g in got] != [w["name"] for w in want]:
-            raise BundleError(f"graph {where}: {kind} are {[g[0] for g in got]}, the contract says "
-                              f"{[w['name'] for w in want]}")
-        for (name, dtype, shape), w in zip(got, want):
+            raise BundleError(
+                f"graph {where}: {kind} are {[g[0] for g in got]}, the contract says {[w['name'] for w in want]}"
+            )
+        for (name, dtype, shape), w in zip(got, want, strict=True):
             fixed_ok = len(shape) == len(w["shape"]) and all(
                 (not isinstance(gd, int) or gd <= 0) if isinstance(wd, str) else gd == wd
-                for gd, wd in zip(shape, w["shape"]))
+                for gd, wd in zip(shape, w["shape"], strict=True)
+            )
             if dtype != w["dtype"] or not fixed_ok:
-                raise BundleError(f"graph {where}: {name} is {dtype}{list(shape)}, the contract says "
-                                  f"{w['dtype']}{w['shape']}")
-
+                raise BundleError(
+                    f"graph {where}: {name} is {dtype}{list(shape)}, the contract says {w['dtype']}{w['shape']}"
+                )

@@ -20,6 +20,7 @@ Decoder step semantics (the same as model.transformer's cached path):
   `past_*` and ORT updates the cache in place;
 - `logits[b]` are the logits of row b's last real new token.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,8 +53,11 @@ class GraphContract:
     outputs: tuple[TensorSpec, ...]
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "inputs": [t.to_dict() for t in self.inputs],
-                "outputs": [t.to_dict() for t in self.outputs]}
+        return {
+            "file": self.file,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+        }
 
 
 def past_key(i: int) -> str:
@@ -83,6 +87,7 @@ def cross_value(i: int) -> str:
 @dataclass(frozen=True)
 class Dims:
     """The model dimensions a contract depends on (from model.config.ModelConfig)."""
+
     n_layers: int  # decoder layers
     n_heads: int
     head_dim: int
@@ -113,8 +118,10 @@ def decoder_contract(d: Dims, cross: bool) -> GraphContract:
     outputs = [TensorSpec("logits", d.float_dtype, (BATCH, d.vocab_size))]
     for i in range(d.n_layers):
         inputs += [TensorSpec(past_key(i), d.float_dtype, cache), TensorSpec(past_value(i), d.float_dtype, cache)]
-        outputs += [TensorSpec(present_key(i), d.float_dtype, cache),
-                    TensorSpec(present_value(i), d.float_dtype, cache)]
+        outputs += [
+            TensorSpec(present_key(i), d.float_dtype, cache),
+            TensorSpec(present_value(i), d.float_dtype, cache),
+        ]
     if cross:
         kv = (BATCH, d.n_heads, SRC_TOKENS, d.head_dim)
         for i in range(d.n_layers):

@@ -17,6 +17,7 @@ and the full-size check on the test split:
 
 Does not own: benchmarks (bench/decode_step.py, loadtest/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.transformer import DecoderOnlyLM, EncoderDecoder, MultiHeadAttention
+from export.torch_model import kvserve_model, layers
+from model.transformer import DecoderLayer, DecoderOnlyLM, EncoderDecoder, EncoderLayer, MultiHeadAttention
 
 LAYER_NORM_EPS = 1e-5
 
@@ -48,7 +50,8 @@ def _fused(spec: Any, linears: list[torch.nn.Linear]) -> None:
     _linear(spec, torch.cat([m.weight for m in linears]), torch.cat([m.bias for m in linears]))
 
 
-def _norm(spec: Any, norm: torch.nn.LayerNorm) -> None:
+def _norm(spec: Any, norm: torch.nn.Module) -> None:
+    assert isinstance(norm, torch.nn.LayerNorm), f"a pre-norm model's final norm is a LayerNorm, got {norm}"
     spec.gamma, spec.beta = _np(norm.weight), _np(norm.bias)
 
 
@@ -67,18 +70,19 @@ def _ffn(spec: Any, layer: Any, norm: torch.nn.LayerNorm) -> None:
 def _decoder(spec: Any, model: EncoderDecoder | DecoderOnlyLM, cross: bool) -> None:
     dec = model.decoder
     spec.embeddings.weight = _np(model.embed.tok.weight)
-    spec.position_encodings.encodings = _np(model.embed.pe)
+    spec.position_encodings.encodings = _np(model.embed.get_buffer("pe"))
     if model.cfg.pre_norm:
         _norm(spec.layer_norm, dec.norm)
     spec.projection.weight = _np(dec.lm_head.weight)
-    for ls, layer in zip(spec.layer, dec.layers):
+    for ls, layer in zip(spec.layer, layers(dec.layers, DecoderLayer), strict=True):
         _self_attention(ls.self_attention, layer.self_attn, layer.res_self.norm)
         if cross:
-            ca = layer.cross_attn
+            ca, res = layer.cross_attn, layer.res_cross
+            assert ca is not None and res is not None, "a translation model's decoder layers attend to the source"
             _linear(ls.attention.linear[0], ca.q_proj.weight, ca.q_proj.bias)
             _fused(ls.attention.linear[1], [ca.k_proj, ca.v_proj])
             _linear(ls.attention.linear[2], ca.out_proj.weight, ca.out_proj.bias)
-            _norm(ls.attention.layer_norm, layer.res_cross.norm)
+            _norm(ls.attention.layer_norm, res.norm)
         _ffn(ls.ffn, layer, layer.res_ffn.norm)
 
 
@@ -90,18 +94,20 @@ def build_spec(model: EncoderDecoder | DecoderOnlyLM, vocabulary: list[str]) -> 
     cfg = model.cfg
     options = {"activation": "relu", "positions": "interleaved", "scale_embedding": True, "logits_bias": False}
     other = {k: getattr(cfg, k) for k, v in options.items() if getattr(cfg, k) != v}
-    if other:  # an imported model's options: CTranslate2 converts Marian checkpoints itself (ct2-transformers-converter)
+    # an imported model's options: CTranslate2 converts Marian checkpoints itself (ct2-transformers-converter)
+    if other:
         raise ValueError(f"this converter maps kvserve's own models only; model options {other} are not mapped")
     relu = common_spec.Activation.RELU
     if isinstance(model, EncoderDecoder):
         spec = transformer_spec.TransformerSpec.from_config(
-            (cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads, pre_norm=cfg.pre_norm, activation=relu)
+            (cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads, pre_norm=cfg.pre_norm, activation=relu
+        )
         enc = spec.encoder
         enc.embeddings[0].weight = _np(model.embed.tok.weight)
-        enc.position_encodings.encodings = _np(model.embed.pe)
+        enc.position_encodings.encodings = _np(model.embed.get_buffer("pe"))
         if cfg.pre_norm:
             _norm(enc.layer_norm, model.enc_norm)
-        for ls, layer in zip(enc.layer, model.enc_layers):
+        for ls, layer in zip(enc.layer, layers(model.enc_layers, EncoderLayer), strict=True):
             _self_attention(ls.self_attention, layer.self_attn, layer.res1.norm)
             _ffn(ls.ffn, layer, layer.res2.norm)
         _decoder(spec.decoder, model, cross=True)
@@ -109,7 +115,8 @@ def build_spec(model: EncoderDecoder | DecoderOnlyLM, vocabulary: list[str]) -> 
         spec.register_target_vocabulary(vocabulary)
     else:
         spec = transformer_spec.TransformerDecoderModelSpec.from_config(
-            cfg.n_decoder_layers, cfg.n_heads, pre_norm=cfg.pre_norm, activation=relu)
+            cfg.n_decoder_layers, cfg.n_heads, pre_norm=cfg.pre_norm, activation=relu
+        )
         _decoder(spec.decoder, model, cross=False)
         spec.register_vocabulary(vocabulary)
     spec.config.layer_norm_epsilon = LAYER_NORM_EPS
@@ -134,13 +141,15 @@ def ct2_greedy(model_dir: Path, task: str, tokens: list[list[str]], max_new_toke
     # With include_prompt_in_result=False CTranslate2 still returns the part of each prompt beyond the
     # batch's shortest one; with True every result is prompt[1:] + generated, and max_length counts both.
     longest = max(len(t) for t in tokens) - 1
-    res = gen.generate_batch(tokens, max_length=longest + max_new_tokens, sampling_topk=1,
-                             include_prompt_in_result=True)
-    return [r.sequences[0][len(t) - 1 :][:max_new_tokens] for t, r in zip(tokens, res)]
+    res = gen.generate_batch(
+        tokens, max_length=longest + max_new_tokens, sampling_topk=1, include_prompt_in_result=True
+    )
+    return [r.sequences[0][len(t) - 1 :][:max_new_tokens] for t, r in zip(tokens, res, strict=True)]
 
 
-def convert_checkpoint(checkpoint: Path, out: Path, force: bool = False, quantization: str | None = None,
-                       check_inputs: int = 8) -> dict[str, Any]:
+def convert_checkpoint(
+    checkpoint: Path, out: Path, force: bool = False, quantization: str | None = None, check_inputs: int = 8
+) -> dict[str, Any]:
     """Checkpoint -> CTranslate2 model directory; greedy-checks `check_inputs` synthetic inputs vs PyTorch."""
     from export.evaluate import greedy_decode
     from export.parity import TorchRuntime, synthetic_inputs
@@ -150,7 +159,7 @@ def convert_checkpoint(checkpoint: Path, out: Path, force: bool = False, quantiz
         raise ValueError(f"--out {out} already exists and is not empty; pass --force to overwrite it")
     ck = load_checkpoint(checkpoint)
     vocab = vocabulary_of(ck.tokenizer, ck.config.vocab_size)
-    spec = build_spec(ck.model, vocab)
+    spec = build_spec(kvserve_model(ck.model), vocab)
     spec.validate()
     spec.optimize(quantization=quantization)
     if out.exists():
@@ -159,11 +168,15 @@ def convert_checkpoint(checkpoint: Path, out: Path, force: bool = False, quantiz
     spec.save(str(out))
     bos = None if ck.task == "translate" else ck.tokenizer.bos_id
     inputs = synthetic_inputs(ck.config.vocab_size, [3 + 2 * i for i in range(check_inputs)], seed=7, bos=bos)
-    ref = greedy_decode(TorchRuntime(ck.model, len(inputs), ck.tokenizer.special_ids), inputs, 20)
+    ref = greedy_decode(TorchRuntime(kvserve_model(ck.model), len(inputs), ck.tokenizer.special_ids), inputs, 20)
     got = ct2_greedy(out, ck.task, [[vocab[i] for i in x] for x in inputs], 20)
-    same = sum([vocab[i] for i in r] == g for r, g in zip(ref, got))
-    return {"out": str(out), "task": ck.task, "quantization": quantization or "float32",
-            "greedy_identical": f"{same}/{len(inputs)} synthetic inputs, 20 tokens"}
+    same = sum([vocab[i] for i in r] == g for r, g in zip(ref, got, strict=True))
+    return {
+        "out": str(out),
+        "task": ck.task,
+        "quantization": quantization or "float32",
+        "greedy_identical": f"{same}/{len(inputs)} synthetic inputs, 20 tokens",
+    }
 
 
 def split_agreement(ct2_dir: Path, checkpoint: Path, n: int, data_dir: str, batch_size: int = 32) -> dict[str, Any]:
@@ -181,15 +194,20 @@ def split_agreement(ct2_dir: Path, checkpoint: Path, n: int, data_dir: str, batc
         inputs, budget = [source_ids(tok, s, ck.config.max_len) for s, _ in pairs], ck.config.max_len - 1
     else:
         inputs, budget = [prompt_ids(tok, p) for p in data.lm_prompts(data.load_text(data_dir, "test"), n)], 64
-    ref = greedy_decode(TorchRuntime(ck.model, batch_size, tok.special_ids), inputs, budget, batch_size)
+    ref = greedy_decode(TorchRuntime(kvserve_model(ck.model), batch_size, tok.special_ids), inputs, budget, batch_size)
     got = []
     for i in range(0, len(inputs), batch_size):
         chunk = [[vocab[t] for t in x] for x in inputs[i : i + batch_size]]
         got += [[index[t] for t in out] for out in ct2_greedy(ct2_dir, ck.task, chunk, budget)]
-    same = sum(a == b for a, b in zip(ref, got))
-    out: dict[str, Any] = {"ct2": str(ct2_dir), "checkpoint": str(checkpoint), "task": ck.task,
-                           "inputs": len(inputs), "greedy_identical": same,
-                           "identical_fraction": round(same / max(len(inputs), 1), 4)}
+    same = sum(a == b for a, b in zip(ref, got, strict=True))
+    out: dict[str, Any] = {
+        "ct2": str(ct2_dir),
+        "checkpoint": str(checkpoint),
+        "task": ck.task,
+        "inputs": len(inputs),
+        "greedy_identical": same,
+        "identical_fraction": round(same / max(len(inputs), 1), 4),
+    }
     if ck.task == "translate":
         refs = [t for _, t in pairs]
         a, b = scores([tok.decode(x) for x in ref], refs), scores([tok.decode(x) for x in got], refs)
@@ -198,9 +216,11 @@ def split_agreement(ct2_dir: Path, checkpoint: Path, n: int, data_dir: str, batc
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.ctranslate2_convert",
-                                description="Greedy agreement of a converted CTranslate2 model with its PyTorch "
-                                            "checkpoint on the test split; prints JSON.")
+    p = argparse.ArgumentParser(
+        prog="python -m export.ctranslate2_convert",
+        description="Greedy agreement of a converted CTranslate2 model with its PyTorch "
+        "checkpoint on the test split; prints JSON.",
+    )
     p.add_argument("ct2_dir", type=Path, help="kvserve export --format ctranslate2 --out DIR")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--sentences", type=int, default=200)

@@ -12,6 +12,7 @@ reads the bundle format from export and export must not import serving back.
 TORCH-FREE. Does not own: the runtime (serving/engine/runtime.py), data splits (model/data.py), the PyTorch
 evaluation of checkpoints (model/).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,10 +31,12 @@ DEFAULT_DATA_DIR = "artifacts/data"
 
 class StepRuntime(Protocol):
     """What greedy decoding needs: serving.engine.runtime.ModelRuntime, and export.parity.TorchRuntime."""
+
     provider: str  # where it runs, for reports: an ONNX Runtime execution provider, or "pytorch"
     is_encoder_decoder: bool
     n_slots: int
     max_len: int
+    max_src_len: int  # the longest source (translation); max_len for a language model
     bos_id: int
     eos_id: int
     pad_id: int
@@ -68,18 +71,21 @@ def _pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarra
 
 def start_batch(rt: StepRuntime, inputs: Sequence[Sequence[int]], start: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Encode (translation) or prefill (LM) rows start.. ; returns (first logits (n, V), write_pos (n,))."""
+    prefix: Sequence[Sequence[int]] = inputs
     if rt.is_encoder_decoder:
         rt.encode(start, [list(s) for s in inputs])
         prefix = [[rt.bos_id]] * len(inputs)
-    else:
-        prefix = inputs
     ids, lens = _pad(prefix, rt.pad_id)
     return rt.step(start, ids, lens, np.zeros(len(prefix), np.int64)), lens
 
 
-def greedy_decode(rt: StepRuntime, inputs: Sequence[Sequence[int]], max_new_tokens: int,
-                  batch_size: int | None = None,
-                  on_step: Callable[[np.ndarray], np.ndarray] | None = None) -> list[list[int]]:
+def greedy_decode(
+    rt: StepRuntime,
+    inputs: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int | None = None,
+    on_step: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> list[list[int]]:
     """Greedy decoding of sources (translation) or prompts (LM); returns the generated ids, eos excluded.
 
     Rows that finished keep stepping (their output is frozen) so a batch stays one contiguous run.
@@ -148,14 +154,19 @@ def translate_texts(rt: StepRuntime, tok: Any, sources: list[str], batch_size: i
     batch = min(batch_size or rt.n_slots, rt.n_slots)
     for b0 in range(0, len(order), batch):
         idx = order[b0 : b0 + batch]
-        for i, gen in zip(idx, greedy_decode(rt, [ids[i] for i in idx], rt.max_len - 1)):
+        for i, gen in zip(idx, greedy_decode(rt, [ids[i] for i in idx], rt.max_len - 1), strict=True):
             out[i] = tok.decode(gen)
     return out
 
 
-def evaluate_bundle(bundle_dir: str | Path, make_runtime: RuntimeFactory, split: str = "test",
-                    limit: int | None = None, data_dir: str | Path = DEFAULT_DATA_DIR,
-                    batch_size: int = 16) -> dict[str, Any]:
+def evaluate_bundle(
+    bundle_dir: str | Path,
+    make_runtime: RuntimeFactory,
+    split: str = "test",
+    limit: int | None = None,
+    data_dir: str | Path = DEFAULT_DATA_DIR,
+    batch_size: int = 16,
+) -> dict[str, Any]:
     """Evaluate a bundle through the runtime `make_runtime(bundle, batch_size)` builds (ONNX Runtime for
     `kvserve evaluate`): chrF/BLEU of greedy translations (first `limit` pairs of the split) or bits per
     character (first `limit` characters, default the whole split)."""
@@ -166,8 +177,13 @@ def evaluate_bundle(bundle_dir: str | Path, make_runtime: RuntimeFactory, split:
     tok = bundle.load_tokenizer()
     rt = make_runtime(bundle, batch_size)
     t0 = time.perf_counter()
-    report: dict[str, Any] = {"bundle": str(bundle_dir), "task": bundle.task, "variant": bundle.variant.value,
-                              "split": split, "provider": rt.provider}
+    report: dict[str, Any] = {
+        "bundle": str(bundle_dir),
+        "task": bundle.task,
+        "variant": bundle.variant.value,
+        "split": split,
+        "provider": rt.provider,
+    }
     if bundle.task == "translate":
         pairs = data.load_pairs(data_dir, split)[: limit or None]
         hyps = translate_texts(rt, tok, [s for s, _ in pairs])
@@ -177,7 +193,10 @@ def evaluate_bundle(bundle_dir: str | Path, make_runtime: RuntimeFactory, split:
         text = text[:limit] if limit else text
         chunks = lm_chunks(tok, text, rt.max_len)
         bits = nll_bits(rt, chunks)
-        report |= {"chars": len(text), "tokens": sum(map(len, chunks)),
-                   "bits_per_char": round(bits / max(len(text), 1), 4)}
+        report |= {
+            "chars": len(text),
+            "tokens": sum(map(len, chunks)),
+            "bits_per_char": round(bits / max(len(text), 1), 4),
+        }
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return report

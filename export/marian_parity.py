@@ -7,6 +7,7 @@ Needs `transformers` (the `import` extra); serving never does.
 
 Does not own: the mapping (model/marian.py), the lockstep itself (export/parity.py).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 class HFMarianRuntime:
     """transformers' MarianMTModel stepping all its rows together (as `lockstep` and `greedy_decode` do)."""
+
     provider = "transformers"
     is_encoder_decoder = True
 
@@ -31,7 +33,7 @@ class HFMarianRuntime:
         self.model = MarianMTModel.from_pretrained(str(folder)).eval()
         # transformers >= 5 names the cache argument `cache`, earlier versions `past_key_values`
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self.n_slots, self.max_len = n_slots, max_len
+        self.n_slots, self.max_len, self.max_src_len = n_slots, max_len, max_len
         self.bos_id, self.eos_id, self.pad_id = special_ids["bos"], special_ids["eos"], special_ids["pad"]
         self._enc: Any = None
         self._mask: torch.Tensor | None = None
@@ -53,9 +55,13 @@ class HFMarianRuntime:
             raise ValueError("HFMarianRuntime steps all rows together, one token each")
         if write_pos[0] == 0:
             self._cache = None
-        out = self.model(encoder_outputs=self._enc, attention_mask=self._mask,
-                         decoder_input_ids=torch.from_numpy(np.asarray(input_ids, np.int64)),
-                         use_cache=True, **{self._cache_arg: self._cache})
+        out = self.model(
+            encoder_outputs=self._enc,
+            attention_mask=self._mask,
+            decoder_input_ids=torch.from_numpy(np.asarray(input_ids, np.int64)),
+            use_cache=True,
+            **{self._cache_arg: self._cache},
+        )
         self._cache = getattr(out, "cache", None) or out.past_key_values
         return out.logits[:, -1].float().numpy()
 

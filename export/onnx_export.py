@@ -22,6 +22,7 @@ Graph design (see DESIGN.md "export/"):
   more than one new token only when no row has a cache yet (a first prompt, right-padded);
   serving/engine/runtime.py splits other prefill calls accordingly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,9 @@ import functools
 import logging
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import onnx
 import torch
@@ -40,8 +41,9 @@ from torch import Tensor, nn
 
 from export.bundle import check_graph_io, graph_contracts
 from export.contract import DECODER_CPU_FILE, DECODER_FILE, ENCODER_FILE, GraphContract
+from export.torch_model import layers
 from model.config import ModelConfig
-from model.transformer import KV, DecoderOnlyLM, EncoderDecoder, MultiHeadAttention
+from model.transformer import KV, DecoderLayer, DecoderOnlyLM, EncoderDecoder, EncoderLayer, MultiHeadAttention
 
 MIN_OPSET = 24  # TensorScatter
 DEFAULT_OPSET = 24
@@ -51,12 +53,19 @@ EXTERNAL_DATA_BYTES = 1_800_000_000
 
 def tensor_scatter(buf: Tensor, new: Tensor, write_pos: Tensor) -> Tensor:
     """ONNX TensorScatter (linear mode): buf[b, :, write_pos[b] + i] = new[b, :, i]; export-time only."""
-    return torch.onnx.ops.symbolic("TensorScatter", (buf, new, write_pos), {"axis": 2, "mode": "linear"},
-                                   dtype=buf.dtype, shape=buf.shape, version=24)
+    return torch.onnx.ops.symbolic(
+        "TensorScatter",
+        (buf, new, write_pos),
+        {"axis": 2, "mode": "linear"},
+        dtype=buf.dtype,
+        shape=buf.shape,
+        version=24,
+    )
 
 
-def _export_self_attention(self: MultiHeadAttention, x: Tensor, cache: KV, write_pos: Tensor,
-                           allowed: Tensor) -> tuple[Tensor, KV]:
+def _export_self_attention(
+    self: MultiHeadAttention, x: Tensor, cache: KV, write_pos: Tensor, allowed: Tensor
+) -> tuple[Tensor, KV]:
     """MultiHeadAttention.forward_cached as exported: in-place write, attention over the live prefix."""
     q, k_new, v_new = _fused_qkv(self, x)  # (B, H, T, Dh)
     k = tensor_scatter(cache[0], k_new, write_pos)  # (B, H, M, Dh)
@@ -68,17 +77,28 @@ def _export_self_attention(self: MultiHeadAttention, x: Tensor, cache: KV, write
     return y, (k, v)
 
 
-def _gqa_self_attention(self: MultiHeadAttention, x: Tensor, cache: KV, write_pos: Tensor, allowed: Tensor,
-                        *, seqlens_k: Tensor, total_len: Tensor) -> tuple[Tensor, KV]:
+def _gqa_self_attention(
+    self: MultiHeadAttention,
+    x: Tensor,
+    cache: KV,
+    write_pos: Tensor,
+    allowed: Tensor,
+    *,
+    seqlens_k: Tensor,
+    total_len: Tensor,
+) -> tuple[Tensor, KV]:
     """MultiHeadAttention.forward_cached as decoder_cpu.onnx exports it (write_pos and allowed are implied by
     seqlens_k: the kernel writes the new keys/values at seqlens_k + 1 - new_tokens, causally masked)."""
-    qkv = self.qkv_proj(x)  # (B, T, 3D), packed as the kernel takes it (no key/value inputs): it splits the heads
+    qkv = _qkv_proj(self)(x)  # (B, T, 3D), packed as the kernel takes it (no key/value inputs): it splits the heads
     d = qkv.shape[-1] // 3
     y, k_cache, v_cache = torch.onnx.ops.symbolic_multi_out(
-        "com.microsoft::GroupQueryAttention", (qkv, None, None, cache[0], cache[1], seqlens_k, total_len),
-        {"num_heads": self.n_heads, "kv_num_heads": self.n_heads, "scale": self.head_dim ** -0.5},
-        dtypes=(x.dtype, cache[0].dtype, cache[1].dtype), shapes=((*x.shape[:-1], d), cache[0].shape, cache[1].shape),
-        version=1)
+        "com.microsoft::GroupQueryAttention",
+        (qkv, None, None, cache[0], cache[1], seqlens_k, total_len),
+        {"num_heads": self.n_heads, "kv_num_heads": self.n_heads, "scale": self.head_dim**-0.5},
+        dtypes=(x.dtype, cache[0].dtype, cache[1].dtype),
+        shapes=((*x.shape[:-1], d), cache[0].shape, cache[1].shape),
+        version=1,
+    )
     return self.out_proj(y), (k_cache, v_cache)
 
 
@@ -89,7 +109,17 @@ def _attend_full_mask(self: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor,
     return MultiHeadAttention.attend(self, q, k, v, allowed.expand(b, 1, t, k.shape[2]))
 
 
-def _for_export(model: nn.Module) -> nn.Module:
+def _set_method(module: nn.Module, name: str, method: Callable[..., Any]) -> None:
+    """Replace a method of `module` (on the export copy): mypy rejects assigning to a method; setattr is the same."""
+    setattr(module, name, method)
+
+
+def _qkv_proj(attn: MultiHeadAttention) -> nn.Linear:
+    """The fused q/k/v projection `_for_export` adds to a self-attention."""
+    return cast(nn.Linear, attn.qkv_proj)
+
+
+def _for_export(model: EncoderDecoder | DecoderOnlyLM) -> EncoderDecoder | DecoderOnlyLM:
     """A copy of the model with the export versions of attention (the caller's model is untouched): the
     padding mask expanded for ORT's kernel, and fused projections (one MatMul where the graph had several:
     each self-attention's q/k/v, the encoder's cross-attention keys/values of every decoder layer), as
@@ -98,17 +128,19 @@ def _for_export(model: nn.Module) -> nn.Module:
     model = copy.deepcopy(model).eval()
     for mod in model.modules():
         if isinstance(mod, MultiHeadAttention):
-            mod.attend = types.MethodType(_attend_full_mask, mod)
-    self_attns = [layer.self_attn for layer in model.decoder.layers]
-    for layer in model.decoder.layers:
-        layer.self_attn.forward_cached = types.MethodType(_export_self_attention, layer.self_attn)
+            _set_method(mod, "attend", types.MethodType(_attend_full_mask, mod))
+    decoder_layers = layers(model.decoder.layers, DecoderLayer)
+    self_attns = [layer.self_attn for layer in decoder_layers]
+    for layer in decoder_layers:
+        _set_method(layer.self_attn, "forward_cached", types.MethodType(_export_self_attention, layer.self_attn))
     if isinstance(model, EncoderDecoder):
-        for layer in model.enc_layers:
-            layer.self_attn.forward = types.MethodType(_fused_self_attention, layer.self_attn)
-        self_attns += [layer.self_attn for layer in model.enc_layers]
-        model.cross_proj = fused_linear([p for layer in model.decoder.layers
-                                         for p in (layer.cross_attn.k_proj, layer.cross_attn.v_proj)])
-        model.cross_kv = types.MethodType(_fused_cross_kv, model)
+        encoder_layers = layers(model.enc_layers, EncoderLayer)
+        for enc_layer in encoder_layers:
+            _set_method(enc_layer.self_attn, "forward", types.MethodType(_fused_self_attention, enc_layer.self_attn))
+        self_attns += [enc_layer.self_attn for enc_layer in encoder_layers]
+        cross_attns = [layer.cross_attn for layer in decoder_layers if layer.cross_attn is not None]
+        model.cross_proj = fused_linear([p for ca in cross_attns for p in (ca.k_proj, ca.v_proj)])
+        _set_method(model, "cross_kv", types.MethodType(_fused_cross_kv, model))
     for attn in self_attns:
         attn.qkv_proj = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
     return model
@@ -116,8 +148,7 @@ def _for_export(model: nn.Module) -> nn.Module:
 
 def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the concatenation of the outputs of `linears` (same input)."""
-    out = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
-                    bias=linears[0].bias is not None)
+    out = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=linears[0].bias is not None)
     with torch.no_grad():
         out.weight.copy_(torch.cat([lin.weight for lin in linears]))
         if out.bias is not None:
@@ -127,7 +158,7 @@ def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
 
 def _fused_qkv(self: MultiHeadAttention, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (each (B, H, T, Dh)) from the one fused projection `qkv_proj` that `_for_export` adds."""
-    q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+    q, k, v = _qkv_proj(self)(x).chunk(3, dim=-1)
     return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
 
@@ -140,8 +171,13 @@ def _fused_cross_kv(self: EncoderDecoder, memory: Tensor) -> list[KV]:
     """EncoderDecoder.cross_kv with one projection for every layer's keys and values: (B, S, 2L*D) ->
     (B, 2L*H, S, Dh) split into the 2L (B, H, S, Dh) tensors."""
     b, s, _ = memory.shape
-    heads = self.decoder.layers[0].cross_attn.n_heads
-    kv = self.cross_proj(memory).view(b, s, -1, memory.shape[-1] // heads).transpose(1, 2).split(heads, dim=1)
+    heads = self.cfg.n_heads  # every cross-attention's
+    kv = (
+        cast(nn.Linear, self.cross_proj)(memory)
+        .view(b, s, -1, memory.shape[-1] // heads)
+        .transpose(1, 2)
+        .split(heads, dim=1)
+    )
     return [(kv[2 * i], kv[2 * i + 1]) for i in range(len(kv) // 2)]
 
 
@@ -163,12 +199,11 @@ class DecoderStepGraph(nn.Module):
     def __init__(self, model: EncoderDecoder | DecoderOnlyLM) -> None:
         super().__init__()
         self.model, self.n_layers = model, model.cfg.n_decoder_layers
-        self.cross = isinstance(model, EncoderDecoder)
 
     def forward(self, input_ids: Tensor, input_len: Tensor, write_pos: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         n = self.n_layers
         caches = [(rest[2 * i], rest[2 * i + 1]) for i in range(n)]
-        if self.cross:
+        if isinstance(self.model, EncoderDecoder):
             cross = [(rest[2 * n + 2 * i], rest[2 * n + 2 * i + 1]) for i in range(n)]
             logits, new = self.model.step(input_ids, input_len, write_pos, caches, cross, rest[4 * n])
         else:
@@ -180,11 +215,12 @@ class CpuDecoderStepGraph(DecoderStepGraph):
     """DecoderStepGraph with GroupQueryAttention self-attention (decoder_cpu.onnx); same inputs and outputs."""
 
     def forward(self, input_ids: Tensor, input_len: Tensor, write_pos: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
-        lengths = dict(seqlens_k=(write_pos + input_len - 1).to(torch.int32),
-                       total_len=(write_pos + input_ids.shape[1]).max().to(torch.int32))
-        for layer in self.model.decoder.layers:
+        seqlens_k = (write_pos + input_len - 1).to(torch.int32)
+        total_len = (write_pos + input_ids.shape[1]).max().to(torch.int32)
+        for layer in layers(self.model.decoder.layers, DecoderLayer):
             attn = layer.self_attn
-            attn.forward_cached = functools.partial(_gqa_self_attention, attn, **lengths)
+            gqa = functools.partial(_gqa_self_attention, attn, seqlens_k=seqlens_k, total_len=total_len)
+            _set_method(attn, "forward_cached", gqa)
         return super().forward(input_ids, input_len, write_pos, *rest)
 
 
@@ -215,17 +251,30 @@ def _dynamic_shapes(contract: GraphContract, varargs_from: int | None) -> tuple:
     return (*dyn[:varargs_from], tuple(dyn[varargs_from:]))
 
 
-def export_graph(module: nn.Module, contract: GraphContract, args: tuple[Tensor, ...], path: Path,
-                 opset: int, varargs_from: int | None) -> None:
+def export_graph(
+    module: nn.Module,
+    contract: GraphContract,
+    args: tuple[Tensor, ...],
+    path: Path,
+    opset: int,
+    varargs_from: int | None,
+) -> None:
     """torch.onnx.export (dynamo) of one wrapper module to `path`, names and dynamic axes from the contract."""
     n_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     external = n_bytes > EXTERNAL_DATA_BYTES
     with _quiet_export():
         program = torch.onnx.export(
-            module, args, input_names=[t.name for t in contract.inputs],
+            module,
+            args,
+            input_names=[t.name for t in contract.inputs],
             output_names=[t.name for t in contract.outputs],
             dynamic_shapes=_dynamic_shapes(contract, varargs_from),
-            opset_version=opset, dynamo=True, external_data=external, verbose=False, optimize=True)
+            opset_version=opset,
+            dynamo=True,
+            external_data=external,
+            verbose=False,
+            optimize=True,
+        )
     assert program is not None
     _strip_source_locations(program.model)
     program.save(str(path), external_data=external)
@@ -259,12 +308,12 @@ def _quiet_export() -> Iterator[None]:
                 logging.getLogger(n).setLevel(level)
 
 
-def export_model(model: EncoderDecoder | DecoderOnlyLM, out_dir: Path, float_dtype: str = "float32",
-                 opset: int = DEFAULT_OPSET) -> dict[str, GraphContract]:
+def export_model(
+    model: EncoderDecoder | DecoderOnlyLM, out_dir: Path, float_dtype: str = "float32", opset: int = DEFAULT_OPSET
+) -> dict[str, GraphContract]:
     """Export every graph of `model` into out_dir; returns the contracts (each one checked on its graph)."""
     if opset < MIN_OPSET:
-        raise ValueError(f"opset {opset} is too old: the in-place KV update needs TensorScatter, "
-                         f"opset >= {MIN_OPSET}")
+        raise ValueError(f"opset {opset} is too old: the in-place KV update needs TensorScatter, opset >= {MIN_OPSET}")
     if float_dtype not in ("float32", "float16"):
         raise ValueError(f"float_dtype {float_dtype!r} is not supported; use float32 or float16")
     dtype = torch.float16 if float_dtype == "float16" else torch.float32
@@ -274,14 +323,21 @@ def export_model(model: EncoderDecoder | DecoderOnlyLM, out_dir: Path, float_dty
     out_dir.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         if "encoder" in contracts:
+            assert isinstance(m, EncoderDecoder), "only a translation model has an encoder graph"
             c = contracts["encoder"]
             export_graph(EncoderGraph(m), c, example_inputs(c, cfg, dtype), out_dir / ENCODER_FILE, opset, None)
         c = contracts["decoder"]
         export_graph(DecoderStepGraph(m), c, example_inputs(c, cfg, dtype), out_dir / DECODER_FILE, opset, 3)
         if "decoder_cpu" in contracts:
             c = contracts["decoder_cpu"]
-            export_graph(CpuDecoderStepGraph(copy.deepcopy(m)), c, example_inputs(c, cfg, dtype),
-                         out_dir / DECODER_CPU_FILE, opset, 3)
+            export_graph(
+                CpuDecoderStepGraph(copy.deepcopy(m)),
+                c,
+                example_inputs(c, cfg, dtype),
+                out_dir / DECODER_CPU_FILE,
+                opset,
+                3,
+            )
     for c in contracts.values():
         check_onnx_graph(out_dir / c.file, c)
     return contracts
@@ -289,7 +345,6 @@ def export_model(model: EncoderDecoder | DecoderOnlyLM, out_dir: Path, float_dty
 
 def check_onnx_graph(path: Path, contract: GraphContract) -> None:
     """onnx.checker (full, with shape inference) + the graph's inputs/outputs equal the contract's."""
-
 
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path), load_external_data=False)

@@ -11,6 +11,7 @@ The runtime under test is given (a built runtime, or a `RuntimeFactory` for `rea
 roots (kvserve/, tests, bench/) build serving's ModelRuntime, since export must not import serving.
 Does not own: the runtime (serving/engine/runtime.py), evaluation metrics (export/evaluate.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.evaluate import (RuntimeFactory, StepRuntime, greedy_decode, lm_chunks, nll_bits, prompt_ids, scores,
-                             source_ids, start_batch, translate_texts)
+from export.evaluate import (
+    RuntimeFactory,
+    StepRuntime,
+    greedy_decode,
+    lm_chunks,
+    nll_bits,
+    prompt_ids,
+    scores,
+    source_ids,
+    start_batch,
+    translate_texts,
+)
+from export.torch_model import kvserve_model
 from model.transformer import DecoderOnlyLM, EncoderDecoder
 
 FP32_TOLERANCE = 1e-4  # max-abs logits difference accepted for the fp32 variant
@@ -31,6 +43,7 @@ LM_PARITY_CHARS = 50_000  # test-split characters scored by both backends for th
 
 class TorchRuntime:
     """The PyTorch model (eager, KV cache) with ModelRuntime's encode/step interface."""
+
     provider = "pytorch"
 
     def __init__(self, model: EncoderDecoder | DecoderOnlyLM, n_slots: int, special_ids: dict[str, int]) -> None:
@@ -49,7 +62,9 @@ class TorchRuntime:
         src = torch.full((len(sources), int(lens.max())), self.pad_id, dtype=torch.long)
         for i, s in enumerate(sources):
             src[i, : len(s)] = torch.tensor(s)
-        for (ck, cv), (k, v) in zip(self.cross, self.model.cross_kv(self.model.encode(src, lens))):
+        model = self.model
+        assert isinstance(model, EncoderDecoder), "encode() needs an encoder-decoder model"
+        for (ck, cv), (k, v) in zip(self.cross, model.cross_kv(model.encode(src, lens)), strict=True):
             ck[start : start + len(sources), :, : k.shape[2]] = k
             cv[start : start + len(sources), :, : v.shape[2]] = v
         self.src_len[start : start + len(sources)] = lens
@@ -57,20 +72,21 @@ class TorchRuntime:
     @torch.no_grad()
     def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray) -> np.ndarray:
         rows = slice(start, start + len(input_ids))
-        args = [torch.from_numpy(np.asarray(a, np.int64)) for a in (input_ids, input_len, write_pos)]
+        ids, lens, pos = (torch.from_numpy(np.asarray(a, np.int64)) for a in (input_ids, input_len, write_pos))
         caches = [(k[rows], v[rows]) for k, v in self.caches]
-        if self.is_encoder_decoder:
+        if isinstance(self.model, EncoderDecoder):  # = self.is_encoder_decoder
             cross = [(k[rows], v[rows]) for k, v in self.cross]
-            logits, new = self.model.step(*args, caches, cross, self.src_len[rows])
+            logits, new = self.model.step(ids, lens, pos, caches, cross, self.src_len[rows])
         else:
-            logits, new = self.model.step(*args, caches)
-        for (k, v), (nk, nv) in zip(self.caches, new):
+            logits, new = self.model.step(ids, lens, pos, caches)
+        for (k, v), (nk, nv) in zip(self.caches, new, strict=True):
             k[rows], v[rows] = nk, nv
         return logits.float().numpy()
 
 
-def lockstep(ref: StepRuntime, test: StepRuntime, inputs: Sequence[Sequence[int]], steps: int = 20,
-             start: int = 0) -> dict[str, Any]:
+def lockstep(
+    ref: StepRuntime, test: StepRuntime, inputs: Sequence[Sequence[int]], steps: int = 20, start: int = 0
+) -> dict[str, Any]:
     """Feed both backends the reference's greedy tokens for `steps` steps (after the prefill step).
 
     Returns the max-abs logits difference per step and, per row, whether the test backend's own argmax
@@ -90,8 +106,13 @@ def lockstep(ref: StepRuntime, test: StepRuntime, inputs: Sequence[Sequence[int]
         ids, one = tok[:, None].astype(np.int64), np.ones(n, np.int64)
         a_logits, b_logits = ref.step(start, ids, one, pos), test.step(start, ids, one, pos)
         pos = pos + 1
-    return {"rows": n, "steps": len(per_step) - 1, "logits_max_abs": max(per_step),
-            "per_step_max_abs": [float(f"{x:.3g}") for x in per_step], "rows_greedy_identical": int(agree.sum())}
+    return {
+        "rows": n,
+        "steps": len(per_step) - 1,
+        "logits_max_abs": max(per_step),
+        "per_step_max_abs": [float(f"{x:.3g}") for x in per_step],
+        "rows_greedy_identical": int(agree.sum()),
+    }
 
 
 def synthetic_inputs(vocab: int, lengths: Sequence[int], seed: int, bos: int | None) -> list[list[int]]:
@@ -105,8 +126,9 @@ def synthetic_inputs(vocab: int, lengths: Sequence[int], seed: int, bos: int | N
 SYNTHETIC_BATCHES = ((1, (6,)), (2, (2, 9)), (5, (7, 1, 12, 3, 8)), (7, (11, 2, 6, 13, 4, 9, 1)))
 
 
-def synthetic_parity(model: EncoderDecoder | DecoderOnlyLM, rt: StepRuntime, special_ids: dict[str, int],
-                     steps: int = 20) -> dict[str, Any]:
+def synthetic_parity(
+    model: EncoderDecoder | DecoderOnlyLM, rt: StepRuntime, special_ids: dict[str, int], steps: int = 20
+) -> dict[str, Any]:
     """Lockstep parity on random inputs at several batch sizes with right-padded mixed lengths."""
     ref = TorchRuntime(model, rt.n_slots, special_ids)
     bos = None if ref.is_encoder_decoder else special_ids["bos"]
@@ -116,13 +138,24 @@ def synthetic_parity(model: EncoderDecoder | DecoderOnlyLM, rt: StepRuntime, spe
             continue
         inputs = synthetic_inputs(model.cfg.vocab_size, [max(1, n) for n in lengths], seed=i, bos=bos)
         results.append({"batch": batch, **lockstep(ref, rt, inputs, steps, start=rt.n_slots - batch)})
-    return {"steps": steps, "logits_max_abs": max(r["logits_max_abs"] for r in results),
-            "rows": sum(r["rows"] for r in results),
-            "rows_greedy_identical": sum(r["rows_greedy_identical"] for r in results), "batches": results}
+    return {
+        "steps": steps,
+        "logits_max_abs": max(r["logits_max_abs"] for r in results),
+        "rows": sum(r["rows"] for r in results),
+        "rows_greedy_identical": sum(r["rows_greedy_identical"] for r in results),
+        "batches": results,
+    }
 
 
-def real_parity(bundle_dir: Path, checkpoint_dir: Path, n: int, data_dir: str | Path,
-                make_runtime: RuntimeFactory, batch_size: int = 16, steps: int = 20) -> dict[str, Any]:
+def real_parity(
+    bundle_dir: Path,
+    checkpoint_dir: Path,
+    n: int,
+    data_dir: str | Path,
+    make_runtime: RuntimeFactory,
+    batch_size: int = 16,
+    steps: int = 20,
+) -> dict[str, Any]:
     """Full-size parity on the test split of the runtime `make_runtime(bundle, batch_size)` builds against
     the checkpoint in PyTorch: lockstep logits, identical greedy outputs, quality delta."""
     from export.bundle import load_bundle
@@ -132,10 +165,15 @@ def real_parity(bundle_dir: Path, checkpoint_dir: Path, n: int, data_dir: str | 
     bundle, ckpt = load_bundle(bundle_dir), load_checkpoint(checkpoint_dir)
     tok = ckpt.tokenizer
     rt = make_runtime(bundle, batch_size)
-    ref = TorchRuntime(ckpt.model, batch_size, tok.special_ids)
+    ref = TorchRuntime(kvserve_model(ckpt.model), batch_size, tok.special_ids)
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"bundle": str(bundle_dir), "checkpoint": str(checkpoint_dir), "task": bundle.task,
-                           "variant": bundle.variant.value, "provider": rt.provider}
+    out: dict[str, Any] = {
+        "bundle": str(bundle_dir),
+        "checkpoint": str(checkpoint_dir),
+        "task": bundle.task,
+        "variant": bundle.variant.value,
+        "provider": rt.provider,
+    }
     if bundle.task == "translate":
         pairs = data.load_pairs(data_dir, "test")[:n]
         inputs = [source_ids(tok, s, rt.max_src_len) for s, _ in pairs]
@@ -148,24 +186,38 @@ def real_parity(bundle_dir: Path, checkpoint_dir: Path, n: int, data_dir: str | 
         refs = [t for _, t in pairs]
         q_ref = scores(translate_texts(ref, tok, [s for s, _ in pairs], batch_size), refs)
         q_bun = scores(translate_texts(rt, tok, [s for s, _ in pairs], batch_size), refs)
-        out["quality"] = {"sentences": len(pairs), "chrf_torch": q_ref["chrf"], "chrf_bundle": q_bun["chrf"],
-                          "chrf_delta": round(q_bun["chrf"] - q_ref["chrf"], 3), "bleu_torch": q_ref["bleu"],
-                          "bleu_bundle": q_bun["bleu"]}
+        out["quality"] = {
+            "sentences": len(pairs),
+            "chrf_torch": q_ref["chrf"],
+            "chrf_bundle": q_bun["chrf"],
+            "chrf_delta": round(q_bun["chrf"] - q_ref["chrf"], 3),
+            "bleu_torch": q_ref["bleu"],
+            "bleu_bundle": q_bun["bleu"],
+        }
     else:
         text = data.load_text(data_dir, "test")[:LM_PARITY_CHARS]
         chunks, chars = lm_chunks(tok, text, rt.max_len), len(text)
         b_ref, b_bun = nll_bits(ref, chunks, batch_size) / chars, nll_bits(rt, chunks, batch_size) / chars
-        out["quality"] = {"chars": chars, "bpc_torch": round(b_ref, 4), "bpc_bundle": round(b_bun, 4),
-                          "bpc_delta": round(b_bun - b_ref, 4)}
+        out["quality"] = {
+            "chars": chars,
+            "bpc_torch": round(b_ref, 4),
+            "bpc_bundle": round(b_bun, 4),
+            "bpc_delta": round(b_bun - b_ref, 4),
+        }
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
 
-def _batched_lockstep(ref: StepRuntime, rt: StepRuntime, inputs: list[list[int]], batch: int,
-                      steps: int) -> dict[str, Any]:
+def _batched_lockstep(
+    ref: StepRuntime, rt: StepRuntime, inputs: list[list[int]], batch: int, steps: int
+) -> dict[str, Any]:
     parts = [lockstep(ref, rt, inputs[i : i + batch], steps) for i in range(0, len(inputs), batch)]
-    return {"rows": len(inputs), "steps": steps, "logits_max_abs": max(p["logits_max_abs"] for p in parts),
-            "rows_greedy_identical": sum(p["rows_greedy_identical"] for p in parts)}
+    return {
+        "rows": len(inputs),
+        "steps": steps,
+        "logits_max_abs": max(p["logits_max_abs"] for p in parts),
+        "rows_greedy_identical": sum(p["rows_greedy_identical"] for p in parts),
+    }
 
 
 def _greedy_equality(ref: StepRuntime, rt: StepRuntime, inputs: list[list[int]], batch: int) -> dict[str, Any]:
@@ -173,6 +225,10 @@ def _greedy_equality(ref: StepRuntime, rt: StepRuntime, inputs: list[list[int]],
     budget = ref.max_len - 1 if ref.is_encoder_decoder else 64
     a = greedy_decode(ref, inputs, budget, batch)
     b = greedy_decode(rt, inputs, budget, batch)
-    same = sum(x == y for x, y in zip(a, b))
-    return {"inputs": len(inputs), "max_new_tokens": budget, "identical": same,
-            "identical_fraction": round(same / max(len(inputs), 1), 4)}
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    return {
+        "inputs": len(inputs),
+        "max_new_tokens": budget,
+        "identical": same,
+        "identical_fraction": round(same / max(len(inputs), 1), 4),
+    }

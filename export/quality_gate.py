@@ -14,6 +14,7 @@ points. `kvserve export --variant ...` refuses a variant that fails (the bundle 
 TORCH-FREE: both sides are StepRuntimes (export/evaluate.py), the reference usually PyTorch's fp32 model
 (export/parity.py TorchRuntime) or the fp32 bundle.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,10 +54,17 @@ def measure(task: str, reference: StepRuntime, variant: StepRuntime, tok: Any) -
     """Both sides' quality on the task's fixed set, the difference and whether it is within the bound."""
     bound = BOUNDS[task]
     ref, var = _quality(task, reference, tok), _quality(task, variant, tok)
-    return {"set": "everyday.en-de.tsv" if task == "translate" else "hamlet.txt", "metric": bound.metric,
-            "reference": ref, "variant": var, "delta": round(var - ref, 4), "max_loss": bound.max_loss,
-            "reference_backend": reference.provider, "variant_backend": variant.provider,
-            "passed": bound.passed(ref, var)}
+    return {
+        "set": "everyday.en-de.tsv" if task == "translate" else "hamlet.txt",
+        "metric": bound.metric,
+        "reference": ref,
+        "variant": var,
+        "delta": round(var - ref, 4),
+        "max_loss": bound.max_loss,
+        "reference_backend": reference.provider,
+        "variant_backend": variant.provider,
+        "passed": bound.passed(ref, var),
+    }
 
 
 def check(result: dict[str, Any], what: str) -> None:
@@ -65,4 +73,5 @@ def check(result: dict[str, Any], what: str) -> None:
         raise QualityGateError(
             f"{what} fails the quality gate: {result['metric']} on {result['set']} is {result['variant']} against "
             f"the fp32 reference's {result['reference']} (delta {result['delta']:+}; at most {result['max_loss']} "
-            f"worse is allowed)")
+            f"worse is allowed)"
+        )

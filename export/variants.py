@@ -16,6 +16,7 @@ float16's most negative finite value instead of a float32 constant squeezed into
 Does not own: the export (export/onnx_export.py), quality figures (export/parity.py): a variant ships with
 its measured quality change, which the export records in the manifest.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,9 +72,14 @@ def rows_int8(model: onnx.ModelProto) -> onnx.ModelProto:
         # (x_q - 128) @ w_q times the row's scale (a_scale, one per row) and the column's; a Gemm's bias is added
         # after it (passed as the kernel's own bias input with per-row scales, ORT 1.32 gave 10% errors)
         bias = n.input[2] if len(n.input) > 2 and n.input[2] else None
-        nodes.append(helper.make_node("MatMulIntegerToFloat", [q, f"{name}/int8", scale, f"{name}/int8_scale",
-                                                               "int8/zero_point"], [f"{y}/int8" if bias else y],
-                                      domain="com.microsoft"))
+        nodes.append(
+            helper.make_node(
+                "MatMulIntegerToFloat",
+                [q, f"{name}/int8", scale, f"{name}/int8_scale", "int8/zero_point"],
+                [f"{y}/int8" if bias else y],
+                domain="com.microsoft",
+            )
+        )
         if bias:
             nodes.append(helper.make_node("Add", [f"{y}/int8", bias], [y]))
     del g.node[:]
@@ -110,11 +116,15 @@ class _RowQuantizer:
     and the product, scaled by it, is 0 (plus a Gemm's bias) whatever q holds."""
 
     def __init__(self, shapes: dict[str, Any]) -> None:
-        self.shapes, self.inits = shapes, [
-            numpy_helper.from_array(np.array([-1], np.int64), "int8/last_axis"),
-            numpy_helper.from_array(np.array(1.0 / 127, np.float32), "int8/inv127"),
-            numpy_helper.from_array(np.array(128, np.uint8), "int8/zero_point"),
-            numpy_helper.from_array(np.array([128], np.uint8), "int8/zero_point_1")]
+        self.shapes, self.inits = (
+            shapes,
+            [
+                numpy_helper.from_array(np.array([-1], np.int64), "int8/last_axis"),
+                numpy_helper.from_array(np.array(1.0 / 127, np.float32), "int8/inv127"),
+                numpy_helper.from_array(np.array(128, np.uint8), "int8/zero_point"),
+                numpy_helper.from_array(np.array([128], np.uint8), "int8/zero_point_1"),
+            ],
+        )
         self.done: dict[str, tuple[str, str]] = {}  # activation -> (uint8 tensor, row scales)
         self.zero_points: dict[tuple, str] = {}  # symbolic row shape -> a zero-point tensor of that shape
 
@@ -122,15 +132,19 @@ class _RowQuantizer:
         if x in self.done:
             return self.done[x]
         p = f"int8/{len(self.done)}"
-        nodes += [helper.make_node("Abs", [x], [f"{p}/abs"]),
-                  helper.make_node("ReduceMax", [f"{p}/abs", "int8/last_axis"], [f"{p}/max"], keepdims=1),
-                  helper.make_node("Mul", [f"{p}/max", "int8/inv127"], [f"{p}/scale"])]
+        nodes += [
+            helper.make_node("Abs", [x], [f"{p}/abs"]),
+            helper.make_node("ReduceMax", [f"{p}/abs", "int8/last_axis"], [f"{p}/max"], keepdims=1),
+            helper.make_node("Mul", [f"{p}/max", "int8/inv127"], [f"{p}/scale"]),
+        ]
         rows = self._row_shape(x)
         zp = self.zero_points.get(rows) if rows else None
         if zp is None:
             zp = f"{p}/zero_point"
-            nodes += [helper.make_node("Shape", [f"{p}/scale"], [f"{p}/shape"]),
-                      helper.make_node("Expand", ["int8/zero_point_1", f"{p}/shape"], [zp])]
+            nodes += [
+                helper.make_node("Shape", [f"{p}/scale"], [f"{p}/shape"]),
+                helper.make_node("Expand", ["int8/zero_point_1", f"{p}/shape"], [zp]),
+            ]
             if rows:
                 self.zero_points[rows] = zp
         nodes.append(helper.make_node("QuantizeLinear", [x, f"{p}/scale", zp], [f"{p}/q"], axis=-1, block_size=k))
@@ -148,9 +162,9 @@ class _RowQuantizer:
 
 def quantize_int8_dynamic(path: Path, per_channel: bool = True) -> None:
     """Replace the graph at `path` by its dynamic-int8 version (MatMul weights int8 per output channel, activations
-    uint8 quantized per tensor at run time: ORT fuses DynamicQuantizeLinear + MatMulInteger into
-    DynamicQuantizeMatMul). A row's result depends on the other rows of its batch. Weights in 7 bits
-    (`reduce_range`): on x86 CPUs without VNNI, ORT's u8 x s8 sums of 8-bit weights saturate (serving/engine/int8_fit.py)."""
+    uint8 quantized per tensor at run time: ORT fuses DynamicQuantizeLinear + MatMulInteger into DynamicQuantizeMatMul).
+    A row's result depends on the other rows of its batch. Weights in 7 bits (`reduce_range`): on x86 CPUs without VNNI,
+    ORT's u8 x s8 sums of 8-bit weights saturate (serving/engine/int8_fit.py)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     tmp = path.with_name(path.name + ".int8.tmp")
@@ -158,8 +172,14 @@ def quantize_int8_dynamic(path: Path, per_channel: bool = True) -> None:
     level = root.level
     root.setLevel(logging.ERROR)  # the quantizer advises "pre-processing" through the root logger
     try:
-        quantize_dynamic(str(path), str(tmp), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
-                         per_channel=per_channel, reduce_range=True)
+        quantize_dynamic(
+            str(path),
+            str(tmp),
+            op_types_to_quantize=["MatMul"],
+            weight_type=QuantType.QInt8,
+            per_channel=per_channel,
+            reduce_range=True,
+        )
     finally:
         root.setLevel(level)
     os.replace(tmp, path)

@@ -77,14 +77,17 @@ def measure(release: Path, data_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def bundle_version(release: Path) -> dict[str, Any]:
-    """Export the release once (fp32, with its parity checks) and return the bundle's version and size."""
+    """Export the release once (fp32, with its parity checks) and return the bundle's version, content hash
+    (what a Serve config pins: `bundle_sha256`) and size."""
+    from export.bundle import content_sha256
     from kvserve.export import build_bundle
 
     with tempfile.TemporaryDirectory() as tmp:
         manifest = build_bundle(release, Path(tmp) / "bundle")
         size = sum(p.stat().st_size for p in (Path(tmp) / "bundle").iterdir())
     versions = {k: manifest["export"][k] for k in ("torch", "onnx", "onnxscript", "onnxruntime")}
-    return {"version": manifest["version"], "fp32_bundle_bytes": size, "export_versions": versions}
+    return {"version": manifest["version"], "sha256": content_sha256(manifest), "fp32_bundle_bytes": size,
+            "export_versions": versions}
 
 
 def publish(checkpoint: Path, out: Path, data_dir: Path, force: bool = False,
@@ -121,7 +124,8 @@ def publish(checkpoint: Path, out: Path, data_dir: Path, force: bool = False,
         "metrics_tolerance": TOLERANCE,
         "measured": {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "machine": machine(),
                      "versions": package_versions(), "seconds": round(time.perf_counter() - t0, 1)},
-        "bundle": {"fp32_bytes": built["fp32_bundle_bytes"], "export": built["export_versions"]},
+        "bundle": {"sha256": built["sha256"], "fp32_bytes": built["fp32_bundle_bytes"],
+                   "export": built["export_versions"]},
         "reproduce": REPRODUCE,
     }
     (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -2,6 +2,7 @@
 
     kvserve serve [--config deploy/serve_config.yaml] [--artifacts DIR] [--host H] [--port 8000]
                   [--num-cpus N] [--dashboard] [--placement colocated|split]
+    kvserve bundle-hash BUNDLE_DIR...    (each bundle's content hash, for a Serve config's `bundle_sha256`)
 
 Owns only the arguments and their help; what the command does (validate the config, check the bundles,
 start Ray and Serve, wait until RUNNING, drain and stop on Ctrl-C/SIGTERM) is launch.py's `serve_config`.
@@ -31,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(models scale with the ingress); split: each model in a deployment of its own (models "
                         "scale on their own; one more process hop per request and per streamed chunk)")
     p.set_defaults(func=_cmd_serve)
+    h = subparsers.add_parser("bundle-hash", help="print model bundles' content hashes (for bundle_sha256)",
+                              description="Verify each bundle and print its content hash: the value of a model's "
+                                          "`bundle_sha256` in the Serve config, which pins it (a replica refuses "
+                                          "a bundle whose content differs).")
+    h.add_argument("bundles", nargs="+", metavar="BUNDLE_DIR")
+    h.set_defaults(func=_cmd_bundle_hash)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -38,3 +45,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     return serve_config(args.config, artifacts=args.artifacts, host=args.host, port=args.port,
                         num_cpus=args.num_cpus, dashboard=args.dashboard, placement=args.placement)
+
+
+def _cmd_bundle_hash(args: argparse.Namespace) -> int:
+    from export.bundle import content_sha256, load_bundle
+
+    for bundle_dir in args.bundles:
+        print(f"{content_sha256(load_bundle(bundle_dir).manifest)}  {bundle_dir}")
+    return 0

@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-env", dest="api_key_env", metavar="NAME",
                    help="environment variable holding the server's API key, sent as 'Authorization: Bearer'")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--repeat-fraction", type=float, dest="repeat_fraction",
+                   help="share of requests that repeat an earlier request's input and seed (a response cache's "
+                        "workload), e.g. 0.5")
+    p.add_argument("--no-cache", action="store_true", dest="no_cache",
+                   help="send Cache-Control: no-cache, so that the server's response cache is bypassed")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -77,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         min_tokens=args.min_tokens, stream=args.stream,
         temperature=args.temperature, beam_size=args.beam_size, model=args.model, timeout_s=args.timeout,
         max_inflight=args.max_inflight, data_dir=args.data_dir, scrape_metrics=not args.no_metrics,
-        api_key_env=args.api_key_env,
+        api_key_env=args.api_key_env, repeat_fraction=args.repeat_fraction, no_cache=args.no_cache,
         progress=not args.quiet, slos=parse_slos(args.slo))
 
 

@@ -77,6 +77,10 @@ class LoadConfig:
     api_key_env: str | None = None  # an environment variable holding the server's API key (sent as a Bearer token)
     progress: bool = False  # a tqdm bar on stderr
     slos: tuple[SLO, ...] = field(default_factory=tuple)
+    # The share of requests that repeat an earlier request's input (and seed): a response cache's workload. None:
+    # each input drawn at random from the test split, as usual.
+    repeat_fraction: float | None = None
+    no_cache: bool = False  # send `Cache-Control: no-cache`: the server's response cache is bypassed
 
     def __post_init__(self) -> None:
         for name, enum in (("workload", Workload), ("arrival", Arrival)):
@@ -111,6 +115,8 @@ class LoadConfig:
         _positive("timeout_s", self.timeout_s, finite=True)
         _positive("max_inflight", self.max_inflight, upper=100_000)
         _positive("beam_size", self.beam_size, upper=64)
+        if self.repeat_fraction is not None and not 0.0 <= self.repeat_fraction < 1.0:
+            raise ValueError(f"repeat_fraction={self.repeat_fraction} must be in [0, 1)")
         if not (0.0 <= self.warmup_s < math.inf):
             raise ValueError(f"warmup_s={self.warmup_s} must be >= 0 and finite")
         if not (0.0 <= self.temperature <= 100.0):

@@ -123,7 +123,9 @@ async def _closed_loop(run: _Run) -> None:
 def _http_client(config: LoadConfig) -> httpx.AsyncClient:
     n = config.max_inflight if config.mode is LoadMode.OPEN else config.concurrency
     # The key is read here, at the start of a run, and only ever sent in this header (never in a report).
-    headers = {"Authorization": f"Bearer {os.environ[config.api_key_env]}"} if config.api_key_env else None
+    headers = {"Authorization": f"Bearer {os.environ[config.api_key_env]}"} if config.api_key_env else {}
+    if config.no_cache:
+        headers["Cache-Control"] = "no-cache"
     return httpx.AsyncClient(
         timeout=httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0)),
         limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),

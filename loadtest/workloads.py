@@ -98,10 +98,28 @@ def _fallback(why: str) -> Inputs:
                   True)
 
 
+def source_index(config: LoadConfig, index: int) -> int:
+    """The request whose input (and seed) request `index` sends: itself, or with `repeat_fraction` an earlier one
+    (each earlier request alike), followed back to a request that did not repeat."""
+    while config.repeat_fraction and index > 0:
+        rng = np.random.default_rng([config.seed, 0x5EE, index])
+        if rng.random() >= config.repeat_fraction:
+            break
+        index = int(rng.integers(index))
+    return index
+
+
 def request_body(config: LoadConfig, inputs: Inputs, index: int) -> dict[str, Any]:
-    """The JSON body of request `index` (its input and seed depend only on config.seed and index)."""
-    rng = np.random.default_rng([config.seed, 0x10AD, index])
-    text = inputs.texts[int(rng.integers(len(inputs.texts)))]
+    """The JSON body of request `index` (its input and seed depend only on config.seed and index). With
+    `repeat_fraction`, a request that does not repeat takes the input at its own index in a shuffled order, so
+    inputs repeat only where a request repeats (while the index is below the number of inputs)."""
+    source = source_index(config, index)
+    rng = np.random.default_rng([config.seed, 0x10AD, source])
+    if config.repeat_fraction is None:
+        text = inputs.texts[int(rng.integers(len(inputs.texts)))]
+    else:
+        order = np.random.default_rng([config.seed, 0x0D]).permutation(len(inputs.texts))
+        text = inputs.texts[int(order[source % len(inputs.texts)])]
     seed = int(rng.integers(2**31 - 1))
     max_tokens = config.max_tokens
     if config.min_tokens is not None:  # drawn last, so the text and seed of request i do not change

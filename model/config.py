@@ -99,7 +99,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         # 2 encoder + 4 decoder layers: at the same step count valid chrF 28.08 vs 27.11 (3+3) and 27.92 (1+5);
         # 4+2 was far behind (16.1 vs 20.2 at step 1,200). No dropout on attention weights and ReLU outputs
         # (as fairseq's transformer): 1.1x faster steps at the same valid chrF. Figures and commands in
-        # docs/training.md.
+        # docs/decisions/translator-shape.md.
         "translate": dict(d_model=256, n_heads=4, n_encoder_layers=2, n_decoder_layers=4, d_ff=1024,
                           dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, max_len=160),
         "generate": dict(d_model=256, n_heads=4, n_encoder_layers=0, n_decoder_layers=4, d_ff=1024,

@@ -3,9 +3,8 @@
 A training step allocates and frees the same large tensors every time (activations, logits, gradients).
 With glibc's defaults, memory freed at the top of the heap above 128 KiB (adjusted upward as it goes, up to
 twice the mmap threshold) is given back to the kernel, and blocks above the mmap threshold get their own
-mapping, unmapped when freed; either way the next step's tensors fault their pages in again. Measured with
-`python -m bench.train_step --pairs 90 --threads 2`: see docs/training.md (the page faults were ~15% of a step;
-8a7e150, 2026-11-30).
+mapping, unmapped when freed; either way the next step's tensors fault their pages in again, which costs
+12-15% of a step (measured: docs/decisions/training-step-cost.md).
 
 `keep_freed_memory()` pins the thresholds for the rest of the process: blocks up to 32 MiB (glibc's largest
 mmap threshold on 64-bit) come from the heap, and the heap is trimmed only when 2 GiB are free at its top. The

@@ -17,9 +17,8 @@ the logits' dtype (24 MB in bf16; 49 MB, and so still a fresh mapping, when trai
 
 One difference from torch: a batch whose targets are all pad gives a loss of 0 and zero gradients, not NaN.
 
-Measured (`python -m bench.train_step --pairs 90 --threads 2`, variant "fused loss"): see docs/training.md
-(472927d, 8a7e150, 2026-11-30). Owns only the loss; which positions count (pad) and the smoothing come from
-model/step.py and the run's TrainConfig.
+What it saves per step against torch's loss: docs/decisions/training-step-cost.md. Owns only the loss; which positions count (pad) and the smoothing come
+from model/step.py and the run's TrainConfig.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ and `choose_precision`, which picks between fp32 and bf16 on this CPU by a short
 - "fp32": everything in fp32.
 - "bf16-autocast": torch.autocast around the forward pass. Every step casts each weight to bf16 again, every
   Linear casts its fp32 input (q, k and v each cast the same normalised activations) and backward casts the
-  gradients back: ~700 casts per step of the small translator, 14.5% of its time (docs/training.md).
+  gradients back: a step of the small translator makes ~850 copies against fp32's ~430, and `aten::copy_` is 18%
+  of its time (docs/decisions/training-precision.md).
 - "bf16": `Bf16Twin`, a bf16 copy of the model that runs forward and backward. Its weights are copied from the
   fp32 master once per step (one `_foreach_copy_`) and its gradients copied back once; clipping and AdamW run on
   the fp32 master weights, which validation, the moving average and checkpoints use as before. Activations, the
@@ -12,8 +13,8 @@ and `choose_precision`, which picks between fp32 and bf16 on this CPU by a short
 - "auto": "bf16-autocast", the precision the recipes were tuned in, where the CPU does bf16 arithmetic natively
   (AVX512-BF16 or AMX, as torch's oneDNN reports it) and a measurement on the run's first batch does not find
   fp32 clearly faster; otherwise "fp32". The twin ("bf16") is opt-in: over the first 150 steps of the LM recipe
-  its loss matched autocast's to the third decimal (valid 2.991 bits/char at step 100 in both, 2026-12-01), but
-  its step was only 1.03x faster here (1.10x in the quietest rounds; docs/training.md).
+  its loss matched autocast's to the third decimal (valid 2.991 bits/char at step 100 in both), but its step is
+  only 1.03x faster (1.10x in the quietest rounds; measured: docs/decisions/training-precision.md).
 
 Owns the precisions and their choice. Does not own the step itself (model/step.py), which runs whichever it is
 given. A run records the precision it chose (its TrainConfig), and --resume keeps it.

@@ -13,15 +13,15 @@ import torch
 from model.train_config import TrainConfig
 
 # The LR at the end of the schedule, as a fraction of the peak. A linear decay to 0 instead of the cosine to
-# 5% scored lower on valid at both weight decays tried (docs/training.md, "Tried, not kept").
+# 5% scored lower on valid at both weight decays tried (docs/decisions/learning-rate-schedule.md).
 FINAL_LR = 0.05
 
 
 def lr_at(step: int, cfg: TrainConfig, decay_step: int | None = None) -> float:
     """Linear warmup over the first `warmup` optimizer steps, then a cosine decay to FINAL_LR * lr by `steps`.
     decay_step (schedule_step) places the decay on the clock; warmup always counts real steps: a warmup cut
-    short by a busy machine lets the first large updates wreck the young model (valid chrF 13.4 vs 17.8 at
-    the same step count; 8c551d4, 2026-11-29)."""
+    short by a busy machine lets the first large updates wreck the young model (valid chrF 13.4 at step 955
+    against 17.8 at step 750 with the warmup in steps; docs/decisions/learning-rate-schedule.md)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     if decay_step is not None:

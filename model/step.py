@@ -1,6 +1,6 @@
 """One training step: the loss of a batch, backward, gradient clipping and the AdamW update.
 
-Owns the optimizer's construction, the step itself, as `kvserve train` and `python -m bench.train_step` run it,
+Owns the optimizer's construction, the step itself, as `kvserve train` runs it,
 and the measurement that resolves the precision "auto" for a run. Does not own the batches (model/batching.py),
 the learning rate (model/schedule.py, set on the optimizer before each step), the loss's arithmetic
 (model/loss.py) nor what the precisions are (model/precision.py).
@@ -33,8 +33,8 @@ def loss_on(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], cfg: TrainC
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool = True) -> torch.optim.AdamW:
     """AdamW, weight decay on matrices only; fused: one kernel for all parameters (its update 3.5 vs 10 ms per
-    step on the CPU; a whole step of the small translator 258.6 -> 250.5 ms, `python -m bench.train_step`;
-    f539115, 2026-11-30)."""
+    step on the CPU; a whole step of the small translator 258.6 -> 250.5 ms;
+    docs/decisions/training-step-cost.md)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

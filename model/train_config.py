@@ -45,7 +45,8 @@ class TrainConfig:
 # The runs that made the published models (published/<task>/manifest.json), and what `make train` reruns: both side
 # by side on one thread each. The length is a number of optimizer steps and the precision is pinned, so the same
 # seed gives the same weights on the same machine kind; `--time-budget` trades quality for time. Weight decay: the
-# translator's 0.2 from a sweep of 0.01/0.1/0.3/1.0 (docs/training.md); the LM's 0.1 for its longer run.
+# translator's 0.2 from a sweep of 0.01/0.1/0.3/1.0 (docs/decisions/translator-regularisation.md); the LM's 0.1
+# for its longer run.
 RECIPES: dict[str, dict] = {
     "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=6000,
                       batch_tokens=3000, lr=2e-3, warmup=400, weight_decay=0.2, vocab_size=8000, eval_every=1000,

@@ -84,10 +84,10 @@ def length_mask(lengths: Tensor, s: int) -> Tensor:
 class Dropout(nn.Module):
     """nn.Dropout with a CPU fast path. On the CPU each element's keep decision is taken from 16 random bits
     (one 64-bit draw of torch's generator per four elements) instead of torch's bernoulli_, which took a quarter
-    of a training step of the small translator on this machine (torch profiler: 26%, 2.5 ms per call; 23 of the
-    32 calls per step were these module dropouts, the other 9 are the attention dropout inside
-    scaled_dot_product_attention, left as it is). A step is 1.18x faster with this one (`python -m
-    bench.train_step`; f539115, 2026-11-30). The same seeded generator is used, so runs stay reproducible and
+    of a training step of the small translator (torch profiler: 26%, 2.5 ms per call; 23 of the 32 calls per
+    step are these module dropouts, the other 9 the attention dropout inside scaled_dot_product_attention,
+    which stays torch's). A step is 1.18x faster with this one (measured:
+    docs/decisions/training-step-cost.md). The same seeded generator is used, so runs stay reproducible and
     resumable. p is rounded to a multiple of 2^-16; kept values are scaled by 1 / (1 - p) as usual. Elsewhere
     (CUDA) it is F.dropout."""
 

@@ -25,11 +25,24 @@ import pytest
 API_KEY_ENV = "KVSERVE_TEST_API_KEY"
 
 
+def wait_serving(proc, log: Path, timeout_s: float = 300) -> None:
+    """Until the `kvserve serve` subprocess `proc`, writing to `log`, says it serves (it has then answered its own
+    readiness through the HTTP port); an AssertionError with the log's end if it exits or takes longer."""
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and proc.poll() is None:
+        if "kvserve: serving after" in log.read_text(errors="replace"):
+            return
+        time.sleep(0.5)
+    raise AssertionError("kvserve serve did not start:\n" + log.read_text(errors="replace")[-3000:])
+
+
 def own_ray_env() -> dict[str, str]:
     """This environment without the HAProxy ports that this test run's own Ray took (`ray_cluster`): for a
     subprocess that starts a Ray of its own outside `launch.start` (which picks ports of its own when it inherited
-    another process's: launch.PORTS_OWNER_ENV)."""
-    from serving.server.launch import HAPROXY_PORT_ENV
+    another process's: ray_env.PORTS_OWNER_ENV)."""
+    from serving.server.ray_env import HAPROXY_PORT_ENV
 
     return {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}
 
@@ -56,14 +69,12 @@ def bundles(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def ray_cluster():
     """{"port": Serve's HTTP port, "api_key": the key in API_KEY_ENV}; Serve and Ray stop at the test run's end."""
-    import ray
-    from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
-    from serving.server.launch import stop, use_fast_data_plane
+    from serving.server.launch import stop
+    from serving.server.ray_env import init_local_ray
 
     key = os.environ.setdefault(API_KEY_ENV, "kvs-test-" + secrets.token_urlsafe(24))
-    os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # as serve_cli.start does: Ray's proxy refuses bad headers
-    use_fast_data_plane()  # HAProxy in front, as `kvserve serve` runs it
-    ray.init(num_cpus=2, include_dashboard=False, _system_config={"metrics_report_interval_ms": 1000})
+    # the local cluster `kvserve serve` starts: HAProxy in front, token auth, loopback (serving/server/ray_env.py)
+    init_local_ray(2, include_dashboard=False, _system_config={"metrics_report_interval_ms": 1000})
     try:
         yield {"port": free_port(), "api_key": key}
     finally:

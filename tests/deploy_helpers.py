@@ -57,6 +57,26 @@ DASHBOARD = DEPLOY / "grafana" / "kvserve-dashboard.json"
 _SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{")
 
 
+def rendered_copy(overlay: str = "gpu") -> list[dict[str, Any]]:
+    """A copy of an overlay's rendered objects, for a test to mutate."""
+    import copy
+
+    return copy.deepcopy(list(rendered_lite(overlay)))
+
+
+def ray_cluster(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The RayService's rayClusterConfig."""
+    return by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]
+
+
+def head_group(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return ray_cluster(docs)["headGroupSpec"]
+
+
+def worker_group(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return ray_cluster(docs)["workerGroupSpecs"][0]
+
+
 def dashboard_exprs() -> list[str]:
     """Every PromQL expression of the Grafana dashboard (panel targets and templating queries)."""
     dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))

@@ -1,86 +1,49 @@
-"""Unit tests of the HTTP API's answers (translate, generate, OpenAI completions, health, metrics), stop
-strings, config and metrics aggregation; and the app the other API tests share (`make_client`).
+"""Tests of the HTTP API's answers on the real engines of the tiny bundles (translate, generate, OpenAI
+completions, streaming, stop strings, health) and of the service's freeing of engine work; stop matching. Also
+the helpers the other API tests share.
 
-The model side is serving.server.service.ModelService (real) over tests/fake_engine.FakeEngine (scripted), served
-in-process through httpx's ASGI transport. Refusals (4xx/5xx) are in tests/test_api_errors.py; the real
-engines in tests/test_api_engine.py and, with Ray, test_server_integration.py.
+The app is tests/inprocess_app.py's: serving/server/api.py over ModelServices and real Engines, in-process
+through httpx's ASGI transport. Every expected text is the engine's own answer to the same ids, asked directly
+(`InProcessServer.engine_output`); a stop string is picked from what the model actually wrote. The one fault
+injected here is a delay per engine step (`slow_steps`), so that a cancellation lands before the answer ends.
+Refusals (4xx/5xx) are in tests/test_api_errors.py, metrics in tests/test_api_metrics.py, the Serve config in
+tests/test_api_config.py; the Ray path in tests/test_server_integration.py.
 """
 from __future__ import annotations
 
+import asyncio
 import json
-import shutil
-import subprocess
-import sys
-from collections.abc import AsyncIterator
-from pathlib import Path
+import time
+from collections.abc import Iterator, Mapping
 
 import httpx
 import pytest
-import yaml
-
-from fake_engine import FakeEngine, tiny_tokenizer
-from serving.server.api import create_app
-from serving.engine.config import BatchingKnobs
-from serving.server.config import AppArgs, Limits, load_serve_config
-from serving.server.drain import Drain
-from serving.server.metrics import Recorder, aggregate_exposition
 from prometheus_client.parser import text_string_to_metric_families
-from serving.server.chunks import coalesce
-from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
+
+from engine_bundle import cached_bundle
+from export.bundle import load_bundle
+from inprocess_app import InProcessServer
+from model.tokenizer import Tokenizer
+from serving.engine.types import FinishReason, SamplingParams
+from serving.server.config import Limits
+from serving.server.service import StreamPiece, TextRequest
 from serving.server.stops import StopMatcher
-from serving.server.versions import ServedVersion
-from serving.engine.types import FinishReason, RequestStats, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
-REPLY = "hello world, goodbye world. STOP here"
-VERSIONS = {"translate": "0f1e2d3c4b5a", "generate": "a1b2c3d4e5f6"}  # what make_client's models say they are
-
-
-class LocalBackend:
-    """serving.server.api.Backend over in-process ModelServices."""
-
-    def __init__(self, services: dict[str, ModelService], recorder: Recorder) -> None:
-        self.services, self.recorder = services, recorder
-
-    def model_tasks(self) -> dict[str, str]:
-        return {n: s.task for n, s in self.services.items()}
-
-    async def model_versions(self) -> list[ServedVersion]:
-        return [ServedVersion(n, n, s.version, 0, 100.0) for n, s in self.services.items()]
-
-    async def complete(self, model: str, req: TextRequest) -> TextResult:
-        return await self.services[model].complete(req)
-
-    def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
-        # As the model replica does (serving/server/replica.py), with no wait: a chunk is what is ready.
-        return coalesce(self.services[model].stream(req), 0.0, is_final=is_result)
-
-    async def models_ready(self) -> dict[str, bool]:
-        """A model can serve while its (single, in-process) engine is alive and accepting."""
-        return {n: not s.engine.snapshot().get("dead") and s.engine.snapshot().get("accepting", True)
-                for n, s in self.services.items()}
-
-    async def metrics_text(self) -> str:
-        return aggregate_exposition([self.recorder.exposition()])
+LIMITS = Limits(max_prompt_tokens=40, max_tokens=48, default_max_tokens=32)
+SAMPLED = {"temperature": 1.0, "seed": 5}  # seeded sampling: a varied text (greedy repeats one token), every time
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+def server() -> Iterator[InProcessServer]:
+    s = InProcessServer(LIMITS, faults=True)
+    yield s
+    s.close()
 
 
-def make_client(tok, limits: Limits | None = None, api_key: str | None = None, root_path: str = "",
-                drain: Drain | None = None, **engine_kw):
-    recorder = Recorder("prometheus")
-    engines = {"translate": FakeEngine(tok, REPLY, encoder_decoder=True, **engine_kw),
-               "generate": FakeEngine(tok, REPLY, **engine_kw)}
-    limits = limits or Limits(max_prompt_tokens=40, max_tokens=48, default_max_tokens=32)
-    services = {n: ModelService(n, e, tok, limits.max_prompt_tokens, recorder, version=VERSIONS[n])
-                for n, e in engines.items()}
-    app = create_app(LocalBackend(services, recorder), limits, recorder, api_key, drain)
-    transport = httpx.ASGITransport(app=app, root_path=root_path)
-    client = httpx.AsyncClient(transport=transport, base_url="http://test" + root_path)
-    return client, engines
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    """The tiny bundles' tokenizer (translate's is trained on the same text: the same)."""
+    return Tokenizer.load(load_bundle(cached_bundle("generate")[0]).tokenizer_path)
 
 
 def sse(text: str) -> list:
@@ -96,168 +59,271 @@ def assert_error(r: httpx.Response, status: int, field: str | None = None) -> di
     return err
 
 
+def engine_text(server: InProcessServer, model: str, prompt: str, **params) -> tuple[str, list[int], FinishReason]:
+    """(text, ids, finish reason) of `model`'s engine for `prompt`, asked directly with the ids the API sends it
+    (a language model's prompt after bos, a translator's source alone)."""
+    tok = server.tokenizers[model]
+    ids = tok.encode(prompt) if model == "translate" else [tok.bos_id] + tok.encode(prompt)
+    out, finish, _ = server.engine_output(model, ids, SamplingParams(**params))
+    return tok.decode(out), out, finish
+
+
+def stop_in(text: str) -> tuple[str, int]:
+    """A stop string the model's text holds after its start: (the first two ASCII letters in a row that occur
+    there first, where they start)."""
+    for i in range(1, len(text) - 1):
+        piece = text[i:i + 2]
+        if piece.isascii() and piece.isalpha() and text.find(piece) == i:
+            return piece, i
+    raise AssertionError(f"no two letters to stop at in {text!r}")
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """An exposition's samples: (name, sorted labels) -> value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+# -- what tests/test_versions.py's async tests share (they run on pytest's event loop, the engines on their own) --
+class _Versions(Mapping):
+    """Model -> the content version of its tiny bundle (read when first asked: reading exports the bundle)."""
+
+    def __getitem__(self, model: str) -> str:
+        return load_bundle(cached_bundle(model)[0]).version
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("translate", "generate"))
+
+    def __len__(self) -> int:
+        return 2
+
+
+VERSIONS = _Versions()
+
+
+class _CrossLoopClient:
+    """`post` / `get` of an httpx.AsyncClient for a coroutine on another event loop: each request runs on the
+    server's loop, where its engines deliver their events."""
+
+    def __init__(self, server: InProcessServer) -> None:
+        self.server = server
+
+    async def request(self, method: str, url: str, **kwargs) -> httpx.Response:
+        call = self.server.client.request(method, url, **kwargs)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self.server.loop))
+
+    async def post(self, url: str, **kwargs) -> httpx.Response:
+        return await self.request("POST", url, **kwargs)
+
+    async def get(self, url: str, **kwargs) -> httpx.Response:
+        return await self.request("GET", url, **kwargs)
+
+
+_SHARED: list[InProcessServer] = []
+
+
+def make_client(tok: Tokenizer | None = None) -> tuple[_CrossLoopClient, dict]:
+    """(a client of the real API over the tiny bundles' engines, those engines), for async tests; one server per
+    test process, with LIMITS. `tok` is unused (the bundles carry their tokenizers)."""
+    if not _SHARED:
+        import atexit
+
+        _SHARED.append(InProcessServer(LIMITS))
+        atexit.register(_SHARED[0].close)
+    return _CrossLoopClient(_SHARED[0]), _SHARED[0].engines
+
+
 # -- translate ------------------------------------------------------------------------------------------
-async def test_translate_one_text(tok):
-    client, engines = make_client(tok)
-    r = await client.post("/v1/translate", json={"text": "the quick brown fox"})
+def test_translate_one_text(server, tok):
+    source = "the quick brown fox"
+    text, ids, finish = engine_text(server, "translate", source, max_new_tokens=LIMITS.default_tokens)
+    before = len(server.finished["translate"])
+    r = server.request("POST", "/v1/translate", json={"text": source})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model"] == "translate"
-    assert body["translations"] == [{"text": REPLY, "finish_reason": "stop", "n_best": None}]
-    assert body["usage"]["prompt_tokens"] == len(tok.encode("the quick brown fox"))
-    assert body["usage"]["completion_tokens"] == len(tok.encode(REPLY))
+    assert body["translations"] == [{"text": text, "finish_reason": finish.value, "n_best": None, "score": None,
+                                     "token_scores": None, "sentences": None}]
+    stats = server.wait_finished("translate", before)
+    assert stats.prompt_tokens == len(tok.encode(source))  # the source alone: no bos for an encoder-decoder
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(source))
+    assert body["usage"]["completion_tokens"] == len(ids) == stats.generated_tokens
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
-    assert body["timings"]["total_s"] > 0 and body["timings"]["queue_s"] == pytest.approx(0.0005)
-    assert engines["translate"].submitted[0].prompt_ids == tok.encode("the quick brown fox")  # no bos for enc-dec
+    timings = body["timings"]
+    assert timings["queue_s"] == pytest.approx(stats.queue_wait)  # the engine's own wait, passed on
+    assert 0 <= timings["queue_s"] <= timings["ttft_s"] <= timings["total_s"]
 
 
-async def test_translate_list_with_beam_n_best(tok):
-    client, engines = make_client(tok)
-    r = await client.post("/v1/translate", json={"text": ["a", "b", "c"], "beam_size": 4, "n_best": 3})
+def test_translate_list_with_beam_n_best(server, tok):
+    r = server.request("POST", "/v1/translate", json={"text": ["a", "b", "c"], "beam_size": 4, "n_best": 3})
     assert r.status_code == 200, r.text
     ts = r.json()["translations"]
     assert len(ts) == 3 and all(len(t["n_best"]) == 3 for t in ts)
-    assert ts[0]["text"] == ts[0]["n_best"][0]["text"] == REPLY
-    scores = [h["score"] for h in ts[0]["n_best"]]
-    assert scores == sorted(scores, reverse=True)
-    assert {r.params.beam_size for r in engines["translate"].submitted} == {4}
+    for source, t in zip(["a", "b", "c"], ts, strict=True):
+        _, _, hyps = server.engine_output("translate", tok.encode(source), SamplingParams(
+            max_new_tokens=LIMITS.default_tokens, beam_size=4, n_best=3))
+        assert [h["text"] for h in t["n_best"]] == [tok.decode(ids) for ids, _ in hyps]  # the engine's beam of 4
+        assert [h["score"] for h in t["n_best"]] == pytest.approx([score for _, score in hyps])
+        assert t["text"] == t["n_best"][0]["text"]
+        scores = [h["score"] for h in t["n_best"]]
+        assert scores == sorted(scores, reverse=True)
+    assert len({t["text"] for t in ts}) > 1  # each text its own translation
 
 
-async def test_translate_length_penalty_reaches_the_beam_search(tok):
-    client, engines = make_client(tok)
-    for body in ({"text": "x", "beam_size": 2, "length_penalty": 0.6}, {"text": "x", "beam_size": 2}):
-        assert (await client.post("/v1/translate", json=body)).status_code == 200
-    assert [r.params.length_penalty for r in engines["translate"].submitted] == [0.6, 1.0]  # 1.0: the default
+def test_translate_length_penalty_reaches_the_beam_search(server, tok):
+    def api(body: dict) -> list[float]:
+        r = server.request("POST", "/v1/translate", json={"text": "a", "beam_size": 2, "n_best": 2, **body})
+        assert r.status_code == 200, r.text
+        return [h["score"] for h in r.json()["translations"][0]["n_best"]]
+
+    def engine(lp: float) -> list[float]:
+        _, _, hyps = server.engine_output("translate", tok.encode("a"), SamplingParams(
+            max_new_tokens=LIMITS.default_tokens, beam_size=2, n_best=2, length_penalty=lp))
+        return [score for _, score in hyps]
+    assert api({"length_penalty": 0.6}) == pytest.approx(engine(0.6))
+    assert api({}) == pytest.approx(engine(1.0))  # 1.0: the default
+    assert engine(0.6) != pytest.approx(engine(1.0))
 
 
 # -- generate ---------------------------------------------------------------------------------------------
-async def test_generate_json_prepends_bos(tok):
-    client, engines = make_client(tok)
-    r = await client.post("/v1/generate", json={"prompt": "hello", "max_tokens": 5, "seed": 3, "temperature": 0.7})
+def test_generate_json_prepends_bos(server, tok):
+    text, ids, _ = engine_text(server, "generate", "hello", max_new_tokens=5, seed=3, temperature=0.7)
+    before = len(server.finished["generate"])
+    r = server.request("POST", "/v1/generate", json={"prompt": "hello", "max_tokens": 5, "seed": 3,
+                                                     "temperature": 0.7})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 5
-    assert body["text"] == tok.decode(tok.encode(REPLY)[:5])
-    req = engines["generate"].submitted[0]
-    assert req.prompt_ids == [tok.bos_id] + tok.encode("hello")
-    assert req.params.seed == 3 and req.params.temperature == 0.7 and req.params.max_new_tokens == 5
+    assert body["text"] == text  # bos, the prompt, the seed and the temperature reached the engine
+    assert server.wait_finished("generate", before).prompt_tokens == 1 + len(tok.encode("hello"))
+    assert body["usage"]["prompt_tokens"] == len(tok.encode("hello"))  # the user's tokens: bos is not counted
+    other, _, _ = engine_text(server, "generate", "hello", max_new_tokens=5, seed=4, temperature=0.7)
+    assert other != text  # the seed decides the text
 
 
-async def test_generate_stop_string_trims_and_cancels(tok):
-    client, engines = make_client(tok)
-    r = await client.post("/v1/generate", json={"prompt": "hi", "stop": ["goodbye"]})
-    assert r.status_code == 200, r.text
-    assert r.json()["text"] == "hello world, " and r.json()["finish_reason"] == "stop"
-    assert engines["generate"].cancelled == [engines["generate"].submitted[0].request_id]
-
-
-@pytest.mark.parametrize("path,body", [("/v1/generate", {"prompt": "hi"}),
-                                       ("/v1/completions", {"model": "generate", "prompt": "hi"})])
-async def test_stop_token_ids_reach_the_engine(tok, path, body):
-    client, engines = make_client(tok)
-    for ids in ([5, 7], None):
-        r = await client.post(path, json={**body, "stop_token_ids": ids})
+def test_generate_stop_string_trims_and_cancels(server):
+    full, _, _ = engine_text(server, "generate", "hi", max_new_tokens=40, **SAMPLED)
+    stop, at = stop_in(full)
+    before = len(server.finished["generate"])
+    with server.slow_steps(0.03):  # 40 steps take 1.2 s: the stop string is seen long before the last
+        r = server.request("POST", "/v1/generate", json={"prompt": "hi", "max_tokens": 40, "stop": [stop],
+                                                         **SAMPLED})
         assert r.status_code == 200, r.text
-    assert [r.params.stop_token_ids for r in engines["generate"].submitted] == [(5, 7), ()]
+        assert r.json()["text"] == full[:at] and r.json()["finish_reason"] == "stop"
+        stats = server.wait_finished("generate", before)
+    assert stats.finish_reason == FinishReason.CANCELLED and stats.generated_tokens < 40  # the engine stopped too
 
 
-async def test_generate_stream_sse(tok):
-    client, _ = make_client(tok)
-    r = await client.post("/v1/generate", json={"prompt": "hi", "stream": True, "stop": "STOP"})
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions"])
+def test_stop_token_ids_reach_the_engine(server, path):
+    _, ids, _ = engine_text(server, "generate", "hi", max_new_tokens=12, **SAMPLED)
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # the first token not seen before it
+    body = {"prompt": "hi", "max_tokens": 12, **SAMPLED, **({"model": "generate"} if "completions" in path else {})}
+    completion = []
+    for stop_ids in ([ids[k]], None):  # null: no stop ids
+        r = server.request("POST", path, json={**body, "stop_token_ids": stop_ids})
+        assert r.status_code == 200, r.text
+        completion.append(r.json()["usage"]["completion_tokens"])
+    assert completion == [k, 12]
+
+
+def test_generate_stream_sse(server):
+    full, _, _ = engine_text(server, "generate", "hi", max_new_tokens=40, **SAMPLED)
+    stop, at = stop_in(full)
+    r = server.request("POST", "/v1/generate", json={"prompt": "hi", "stream": True, "stop": stop,
+                                                     "max_tokens": 40, **SAMPLED})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(e) for e in sse(r.text)]
     tokens, final = events[:-1], events[-1]
     assert all(set(e) == {"token", "index"} for e in tokens)
     streamed = "".join(e["token"] for e in tokens)
-    assert streamed == final["text"] == "hello world, goodbye world. "  # nothing of the stop string leaks
+    assert streamed == final["text"] == full[:at]  # nothing of the stop string leaks
     assert final["finish_reason"] == "stop" and final["usage"]["completion_tokens"] >= len(tokens)
-    assert set(final["timings"]) == {"queue_s", "ttft_s", "total_s"}
+    assert set(final["timings"]) == {"queue_s", "ttft_s", "server_ttft_s", "total_s"}
+    assert final["timings"]["server_ttft_s"] >= final["timings"]["ttft_s"] >= 0  # from the arrival, not the submit
 
 
 # -- OpenAI compatibility ----------------------------------------------------------------------------------
-async def test_openai_client_completions_and_models(tok):
+def test_openai_client_completions_and_models(server, tok):
     import openai
 
-    client, _ = make_client(tok)
-    oai = openai.AsyncOpenAI(api_key="unused", base_url="http://test/v1", http_client=client)
-    models = await oai.models.list()
-    assert sorted(m.id for m in models.data) == ["generate", f"generate@{VERSIONS['generate']}", "translate",
-                                                  f"translate@{VERSIONS['translate']}"]
-    c = await oai.completions.create(model="generate", prompt="hi", max_tokens=4, temperature=0)
-    assert c.choices[0].text == tok.decode(tok.encode(REPLY)[:4]) and c.choices[0].finish_reason == "length"
-    assert c.usage.completion_tokens == 4
-    stream = await oai.completions.create(model="generate", prompt="hi", max_tokens=40, stream=True,
-                                          stop=["world."], stream_options={"include_usage": True})
-    chunks = [ch async for ch in stream]
-    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    assert text == "hello world, goodbye "
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
-    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(tok.encode("hi"))
-    t = await oai.completions.create(model="translate", prompt="the fox", max_tokens=8)
-    assert t.choices[0].text == tok.decode(tok.encode(REPLY)[:8])
-    with pytest.raises(openai.NotFoundError):
-        await oai.completions.create(model="gpt-4", prompt="hi")
-    with pytest.raises(openai.UnprocessableEntityError):
-        await oai.completions.create(model="generate", prompt="hi", n=2)
+    greedy, _, _ = engine_text(server, "generate", "hi", max_new_tokens=4)
+    full, _, _ = engine_text(server, "generate", "hi", max_new_tokens=40, **SAMPLED)
+    stop, at = stop_in(full)
+    translation, _, _ = engine_text(server, "translate", "the fox", max_new_tokens=8, temperature=1.0, seed=5)
+
+    async def scenario() -> None:
+        oai = openai.AsyncOpenAI(api_key="unused", base_url="http://test/v1", http_client=server.client)
+        models = await oai.models.list()
+        assert sorted(m.id for m in models.data) == sorted(
+            [name for model, v in server.versions.items() for name in (model, f"{model}@{v}")])
+        c = await oai.completions.create(model="generate", prompt="hi", max_tokens=4, temperature=0)
+        assert c.choices[0].text == greedy and c.choices[0].finish_reason == "length"
+        assert c.usage.completion_tokens == 4
+        stream = await oai.completions.create(model="generate", prompt="hi", max_tokens=40, stream=True,
+                                              stop=[stop], stream_options={"include_usage": True},
+                                              temperature=SAMPLED["temperature"], seed=SAMPLED["seed"])
+        chunks = [ch async for ch in stream]
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full[:at]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+        assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(tok.encode("hi"))
+        t = await oai.completions.create(model="translate", prompt="the fox", max_tokens=8, seed=5)
+        assert t.choices[0].text == translation  # OpenAI's default temperature, 1, sampled with the seed
+        with pytest.raises(openai.NotFoundError):
+            await oai.completions.create(model="gpt-4", prompt="hi")
+        with pytest.raises(openai.UnprocessableEntityError):
+            await oai.completions.create(model="generate", prompt="hi", suffix="!")  # not supported
+    server.call(scenario())
 
 
-async def test_completions_stream_ends_with_done(tok):
-    client, _ = make_client(tok)
-    r = await client.post("/v1/completions", json={"model": "generate", "prompt": "hi", "stream": True,
-                                                   "max_tokens": 3})
+def test_completions_stream_ends_with_done(server):
+    r = server.request("POST", "/v1/completions", json={"model": "generate", "prompt": "hi", "stream": True,
+                                                       "max_tokens": 3})
     events = sse(r.text)
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # this model never ends on its own
 
 
-# -- health, metrics --------------------------------------------------------------------------------
-async def test_health_routes(tok):
-    client, _ = make_client(tok)
-    assert (await client.get("/v2/health/live")).json() == {"status": "live"}
-    assert (await client.get("/v2/health/ready")).status_code == 200
-    assert_error(await client.get("/v1/nothing"), 404)
-
-
-@pytest.mark.parametrize("root_path", ["", "/prefix"])  # Ray Serve's route_prefix arrives as root_path
-async def test_metrics_count_requests_by_status(tok, root_path):
-    client, _ = make_client(tok, capacity=1, root_path=root_path)
-    for _ in range(3):
-        await client.post("/v1/generate", json={"prompt": "x", "max_tokens": 2})
-    await client.post("/v1/generate", json={"prompt": "x", "max_tokens": 0})
-    text = (await client.get("/metrics")).text
-    v = VERSIONS["generate"]
-    assert f'kvserve_requests_total{{endpoint="/v1/generate",model="generate",status="200",version="{v}"}} 3.0' in text
-    assert 'kvserve_requests_total{endpoint="/v1/generate",model="none",status="422",version="none"} 1.0' in text
-    assert f'kvserve_generated_tokens_total{{model="generate",version="{v}"}} 6.0' in text
-    assert f'kvserve_request_duration_seconds_count{{endpoint="/v1/generate",model="generate",version="{v}"}} 3.0' in text
-    _promtool_clean(text)
+# -- health -------------------------------------------------------------------------------------
+def test_health_routes(server):
+    assert server.request("GET", "/v2/health/live").json() == {"status": "live"}
+    assert server.request("GET", "/v2/health/ready").status_code == 200
+    assert_error(server.request("GET", "/v1/nothing"), 404)
 
 
 # -- service-level cancellation --------------------------------------------------------------------------
-async def test_closing_a_stream_cancels_the_engine_request(tok):
-    engine = FakeEngine(tok, REPLY, delay_s=0.001)
-    service = ModelService("generate", engine, tok, 40)
-    stream = service.stream(TextRequest("hi", SamplingParams(max_new_tokens=30), deadline_wall=9e18))
-    first = await stream.__anext__()
-    assert isinstance(first, StreamPiece)
-    await stream.aclose()  # what a client disconnect does to the route's generator
-    assert engine.cancelled == [engine.submitted[0].request_id]
-    assert not engine.active
+def _abandon_a_stream(server: InProcessServer, request_id: str) -> None:
+    """Read the first piece of a 30-token stream of the generate service, then close it, as a client
+    disconnect does to the route's generator."""
+    async def run() -> None:
+        stream = server.services["generate"].stream(TextRequest(
+            "hi", SamplingParams(max_new_tokens=30), deadline_wall=time.time() + 60, request_id=request_id))
+        assert isinstance(await stream.__anext__(), StreamPiece)
+        await stream.aclose()
+    with server.slow_steps(0.03):  # 30 steps take 0.9 s: the close lands long before the last
+        server.call(run())
 
 
-async def test_stats_of_requests_nobody_collects_are_not_kept(tok):
+def test_closing_a_stream_cancels_the_engine_request(server):
+    before = len(server.finished["generate"])
+    _abandon_a_stream(server, "closed-stream")
+    stats = server.wait_finished("generate", before)
+    assert stats.request_id == "closed-stream"
+    assert stats.finish_reason == FinishReason.CANCELLED and stats.generated_tokens < 30
+    server.wait_idle()
+    assert server.slots_in_use()["generate"] == 0
+
+
+def test_stats_of_requests_nobody_collects_are_not_kept(server):
     # The engine reports a request's stats when it finishes, also after its client left: the service keeps
     # them only while a stream is open to read them (a dropped stream's stats are ~1 KB each, its gaps).
-    engine = FakeEngine(tok, REPLY, delay_s=0.001)
-    service = ModelService("generate", engine, tok, 40)
-    stream = service.stream(TextRequest("hi", SamplingParams(max_new_tokens=30), deadline_wall=9e18))
-    await stream.__anext__()
-    await stream.aclose()
-    (_, on_request), = engine.observers
-    late = RequestStats(engine.submitted[0].request_id, 2, 3, 0.01, 0.02, (0.001,) * 30, 0.05,
-                        FinishReason.CANCELLED)
-    on_request(late)  # what the real engine does once the cancelled request leaves its batch
-    done = await service.complete(TextRequest("hi", SamplingParams(max_new_tokens=5), deadline_wall=9e18))
+    service = server.services["generate"]
+    before = len(server.finished["generate"])
+    _abandon_a_stream(server, "abandoned")
+    late = server.wait_finished("generate", before)  # the service saw them first
+    assert late.request_id == "abandoned" and late.finish_reason == FinishReason.CANCELLED
+    done = server.call(service.complete(TextRequest("hi", SamplingParams(max_new_tokens=5),
+                                                    deadline_wall=time.time() + 60)))
     assert done.queue_s is not None  # a finished request still reads its own
     assert service._stats == {}  # neither the abandoned request's stats nor the finished one's
 
@@ -280,119 +346,3 @@ def test_stop_matcher(pieces, stops, released, stopped):
     if not hit:
         out += m.flush()
     assert (out, hit) == (released, stopped)
-
-
-# -- config --------------------------------------------------------------------------------------------------
-def _serve_config() -> dict:
-    return yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
-
-
-def test_serve_config_file_is_valid(tmp_path):
-    raw = load_serve_config(ROOT / "deploy" / "serve_config.yaml", artifacts_dir=tmp_path)
-    app = raw["applications"][0]
-    args = AppArgs.model_validate(app["args"])
-    assert app["import_path"] == "serving.server.app:build_app" and args.artifacts_dir == tmp_path.resolve()
-    names = {d["name"] for d in app["deployments"]}
-    assert names == {"ingress", *(m.name for m in args.models if not m.colocated)}
-    assert all(m.colocated for m in args.models)  # the shipped placement: every engine in the ingress replicas
-    ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
-    assert ingress["backpressure_config"]["status_code"] == 429
-    for m in args.models:
-        BatchingKnobs.model_validate(ingress["user_config"]["models"][m.name])
-
-
-@pytest.mark.parametrize("mutate,match", [
-    (lambda c: c["applications"][0]["deployments"][0].update(max_ongoing_requests=4), "max_ongoing_requests"),
-    (lambda c: c["applications"][0]["deployments"][0]["user_config"]["models"]["generate"].update(max_batch_sise=4),
-     "max_batch_sise"),
-    (lambda c: c["applications"][0]["args"]["limits"].update(max_beam_size=9), "max_beam_size"),
-    (lambda c: c["applications"][0]["args"]["models"][0].update(name="Bad Name"), "Bad Name"),
-    (lambda c: c["applications"][0]["deployments"].append({"name": "ghost"}), "ghost"),
-    (lambda c: c["applications"][0]["args"]["models"][1].update(name="translate"), "unique"),
-])
-def test_serve_config_rejects(tmp_path, mutate, match):
-    cfg = _serve_config()
-    mutate(cfg)
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(ValueError, match=match):
-        load_serve_config(path)
-
-
-# -- metrics aggregation -------------------------------------------------------------------------------------
-def _ray_node(worker: str, n: int) -> str:
-    labels = (f'Component="core_worker",WorkerId="{worker}",application="kvserve",deployment="ingress",'
-              f'replica="{worker}"')
-    return (f"# HELP ray_kvserve_requests_total x\n# TYPE ray_kvserve_requests_total counter\n"
-            f'ray_kvserve_requests_total{{{labels},endpoint="/v1/generate",model="generate",status="200"}} {n}\n'
-            f"# HELP ray_kvserve_engine_batch_size y\n# TYPE ray_kvserve_engine_batch_size histogram\n"
-            f'ray_kvserve_engine_batch_size_bucket{{{labels},le="1.0",model="generate"}} 1.0\n'
-            f'ray_kvserve_engine_batch_size_bucket{{{labels},le="+Inf",model="generate"}} {n}\n'
-            f'ray_kvserve_engine_batch_size_count{{{labels},model="generate"}} {n}\n'
-            f'ray_kvserve_engine_batch_size_sum{{{labels},model="generate"}} {2 * n}\n'
-            f"# HELP ray_tasks z\n# TYPE ray_tasks gauge\nray_tasks{{{labels}}} 4\n")
-
-
-def test_aggregation_sums_replicas_and_drops_unbounded_labels():
-    text = aggregate_exposition([_ray_node("w1", 7), _ray_node("w2", 3)])
-    assert 'kvserve_requests_total{endpoint="/v1/generate",model="generate",status="200"} 10.0' in text
-    assert 'kvserve_engine_batch_size_bucket{le="1.0",model="generate"} 2.0' in text
-    assert 'kvserve_engine_batch_size_sum{model="generate"} 20.0' in text
-    assert "replica=" not in text and "WorkerId" not in text and "ray_tasks" not in text
-    assert "# TYPE kvserve_time_to_first_token_seconds histogram" in text  # declared even before samples
-    _promtool_clean(text)
-
-
-def test_aggregation_reads_the_text_format_as_prometheus_does():
-    # prometheus_client's own output (no ray_ prefix, _created samples), an escaped label value, a timestamp.
-    r = Recorder("prometheus")
-    odd = 'a "quoted" \\ model'
-    r.inc("kvserve_generated_tokens_total", {"model": odd, "version": "v1"}, 5)
-    r.observe("kvserve_engine_batch_size", {"model": odd, "version": "v1"}, 3)
-    stamped = 'ray_kvserve_generated_tokens_total{model="m",version="v1",WorkerId="w"} 2.0 1700000000000\n'
-    text = aggregate_exposition([r.exposition(), r.exposition(), stamped])
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    tokens = {s.labels["model"]: s.value for s in families["kvserve_generated_tokens"].samples}
-    assert tokens == {odd: 10.0, "m": 2.0}
-    buckets = {s.labels["le"]: s.value for s in families["kvserve_engine_batch_size"].samples
-               if s.name.endswith("_bucket")}
-    assert buckets["2.0"] == 0.0 and buckets["4.0"] == 2.0 and buckets["+Inf"] == 2.0
-    assert "_created" not in text
-
-
-def _promtool_clean(text: str) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        return  # the integration suite and CI run it where the `prometheus` package is installed
-    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
-    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
-
-
-def test_promtool_clean_on_every_declared_metric():
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool not installed (apt-get install prometheus)")
-    r = Recorder("prometheus")
-    labels = {"model": "m", "version": "0123456789ab", "endpoint": "/v1/generate", "status": "200", "reason": "queue_full"}
-    from serving.server.metrics import METRICS, Kind
-    for d in METRICS.values():
-        lab = {k: labels[k] for k in d.labels}
-        {Kind.COUNTER: r.inc, Kind.HISTOGRAM: r.observe, Kind.GAUGE: r.set}[d.kind](d.name, lab, 1.0)
-    _promtool_clean(aggregate_exposition([r.exposition()]))
-
-
-# -- kvserve serve (no Ray started) ----------------------------------------------------------------------------
-def test_serve_cli_refuses_missing_bundles(tmp_path):
-    from kvserve.cli import build_parser
-    from serving.server.launch import prepare_config
-
-    args = build_parser().parse_args(["serve", "--artifacts", str(tmp_path), "--port", "9000"])
-    assert args.func.__name__ == "_cmd_serve" and args.port == 9000
-    with pytest.raises(FileNotFoundError, match=str(tmp_path / "bundles" / "translate")):
-        prepare_config(ROOT / "deploy" / "serve_config.yaml", artifacts=tmp_path)
-
-
-def test_serving_never_imports_torch():
-    code = ("import sys, serving.server.app, serving.server.api, serving.server.launch, serving.server.metrics; "
-            "assert 'torch' not in sys.modules, 'serving imported torch'")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]

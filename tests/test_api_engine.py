@@ -14,7 +14,7 @@ import pytest
 
 from engine_bundle import cached_bundle
 from export.bundle import load_bundle
-from inprocess_app import InProcessServer
+from inprocess_app import SLOTS, InProcessServer
 from model.tokenizer import Tokenizer
 from serving.engine.types import GenerationRequest, SamplingParams
 from serving.server.config import Limits
@@ -115,3 +115,57 @@ def test_engine_refusals_name_the_api_field(server, tok):
     while any(server.slots_in_use().values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.slots_in_use() == {"translate": 0, "generate": 0}
+
+
+def test_tokenize_and_detokenize_round_trip_on_the_real_tokenizers(server):
+    """vLLM's /tokenize and /detokenize shapes, on the real engines' tokenizers (the key is required like any
+    other route but the probes)."""
+    r = server.request("POST", "/tokenize", json={"model": "generate", "prompt": "the quick fox"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    plain = server.request("POST", "/tokenize", json={"model": "generate", "prompt": "the quick fox",
+                                                      "add_special_tokens": False}).json()
+    assert plain["tokens"] == body["tokens"][1:]  # a language model's prompt starts with bos
+    text = server.request("POST", "/detokenize", json={"model": "generate", "tokens": plain["tokens"]}).json()
+    assert text == {"prompt": "the quick fox"}
+    translate = server.request("POST", "/tokenize", json={"model": "translate", "prompt": "the dog"}).json()
+    assert translate["count"] == len(translate["tokens"]) > 0  # a translator adds no token of its own
+    r = server.request("POST", "/detokenize", json={"model": "generate", "tokens": [10**9]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "tokens"
+    assert server.request("POST", "/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
+
+
+@pytest.mark.slow  # timing: the busy requests must outlast the others' submission (the logic: test_scheduler.py)
+def test_an_urgent_request_overtakes_the_waiting_bulk_ones_on_the_real_engine():
+    """Every KV slot busy with long requests, bulk requests (priority 5) waiting: a request of priority -1 sent after
+    them is admitted first, so it ends before every one of them; the bulk ones keep their order among themselves."""
+    import asyncio
+
+    server = InProcessServer(Limits(max_tokens=60))
+
+    async def scenario() -> list[str]:
+        done: list[str] = []
+
+        async def send(name: str, priority: int, tokens: int) -> None:
+            r = await server.client.post("/v1/generate", json={"prompt": "the", "max_tokens": tokens,
+                                                               "ignore_eos": True, "priority": priority})
+            assert r.status_code == 200, r.text
+            done.append(name)
+
+        tasks = [asyncio.create_task(send(f"busy{i}", 0, 60)) for i in range(SLOTS)]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(send(f"bulk{i}", 5, 4)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(send("urgent", -1, 4)))
+        await asyncio.gather(*tasks)
+        return done
+
+    try:
+        done = server.call(scenario())
+    finally:
+        server.close()
+    assert done[:SLOTS] == [f"busy{i}" for i in range(SLOTS)] or not any(d.startswith("busy") for d in done[SLOTS:])
+    bulk = [n for n in done if n.startswith("bulk")]
+    assert done.index("urgent") < min(done.index(b) for b in bulk), done
+    assert bulk == ["bulk0", "bulk1", "bulk2"], done

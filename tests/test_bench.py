@@ -91,7 +91,7 @@ def _sections() -> dict:
 
 
 def _breakdown() -> dict:
-    """The breakdown section's JSON: the generate model at 1 and 32 clients, this tree's engine and a baseline's."""
+    """The breakdown section's JSON: the generate model at 1 and 32 clients."""
     bd_row = lambda c, tps: {"concurrency": c, "steps": 100, "wall_s": 1.0, "step_ms": 4.0, "rows_per_step": c - 0.5,
                              "tokens_per_s": tps,
                              "per_step_ms": {"ort decoder": 3.0, "ort encoder": 0.4, "ort helpers": 0.0,
@@ -99,11 +99,8 @@ def _breakdown() -> dict:
                              "share": {"ort decoder": 0.75, "ort encoder": 0.1, "ort helpers": 0.0,
                                        "runner python": 0.1, "engine loop": 0.05}}
     return {"ok": True, "concurrency": [1, 32], "threads": 1, "rounds": 2, "requests_per_client": 4, "min_new": 8,
-            "max_new": 64, "baseline": "abc1234", "commands": [], "date_utc": "d", "elapsed_s": 60,
-                 "engines": {"current": [{"bundle": "artifacts/bundles/generate", "rows": [bd_row(1, 500.0), bd_row(32, 3000.0)]}],
-                             "baseline abc1234": [{"bundle": "artifacts/bundles/generate",
-                                                   "rows": [bd_row(1, 400.0), bd_row(32, 2400.0)]}]}}
-
+            "max_new": 64, "commands": [], "date_utc": "d", "elapsed_s": 60,
+            "models": [{"bundle": "artifacts/bundles/generate", "rows": [bd_row(1, 500.0), bd_row(32, 3000.0)]}]}
 
 
 # -- ratios and verdicts ----------------------------------------------------------------------------------
@@ -157,11 +154,9 @@ def test_doc_has_every_table_ratio_and_the_ct2_ratio_whichever_way_it_falls():
     assert ("Where CTranslate2 is ahead: fp32 at 8: ours 80.00 ms per sentence inside ONNX Runtime, CTranslate2 "
             "50.00 ms for everything (already more than CTranslate2's whole time: the gap is in the kernels).") in doc
     assert "- Translation vs CTranslate2, int8 vs int8: Throughput at 8: ours 1.25x CTranslate2's" in doc
-    # the step-time breakdown, this tree's engine beside the baseline's, and the gain in the summary
+    # the step-time breakdown
     assert "## 5. Where an engine step's time goes" in doc
-    assert "| current | generate | 32 | 31.5 | 4.000 | 3.000 (75%) |" in doc
-    assert ("- Engine in-process, generate, 32 clients: 3,000 tokens/s; the engine at abc1234, same run: 2,400 "
-            "tokens/s (1.25x).") in doc
+    assert "| generate | 32 | 31.5 | 4.000 | 3.000 (75%) |" in doc
     assert "| 8 | 10.0 | 20.0 | 0.50x |" in doc and "95.0%" in doc
     assert "| 16 | 4.000 ms | 2.000 ms | 1.000 ms | 2.00x | 4.00x | 2.00x |" in doc
     assert "Test CPU" in doc and "numpy 2.0" in doc and "torch" not in doc.split("## Machine")[1].split("##")[0]
@@ -349,8 +344,8 @@ def test_quick_bench_runs_every_section_on_tiny_bundles(tmp_path):
     assert all(r["identical"] >= 0.75 for r in tr["rows"])  # same weights, both greedy
     assert tr["variants"]["int8"]["rows"] and tr["variants"]["int8"]["ct2_compute_type"] == "int8"
     bd = json.loads((art / "bench" / "breakdown.json").read_text())
-    assert {m["bundle"].split("/")[-1] for m in bd["engines"]["current"]} == {"generate", "translate"}
-    assert all(r["per_step_ms"]["ort decoder"] > 0 for m in bd["engines"]["current"] for r in m["rows"])
+    assert {m["bundle"].split("/")[-1] for m in bd["models"]} == {"generate", "translate"}
+    assert all(r["per_step_ms"]["ort decoder"] > 0 for m in bd["models"] for r in m["rows"])
     assert "ORT int8" in doc and "| 4 |" in doc
 
 

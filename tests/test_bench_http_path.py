@@ -28,7 +28,7 @@ def test_a_data_plane_is_set_for_ray_inside_the_block_and_restored_after(monkeyp
     import os
 
     from bench.http_path import data_plane
-    from serving.server.launch import DATA_PLANE_ENV
+    from serving.server.ray_env import DATA_PLANE_ENV
 
     for key in DATA_PLANE_ENV:
         monkeypatch.delenv(key, raising=False)

@@ -78,7 +78,7 @@ def test_dictionary_sentences_are_extracted_and_words_skipped(tmp_path):
 def test_ding_sentences_are_extracted_with_alternatives_crossed(tmp_path):
     ding = tmp_path / "de-en"
     ding.write_text("\n".join([
-        "# Version :: devel 2023-01-30",
+        "# Version :: devel",  # a header line: skipped
         "Abgemacht!; Ist geritzt! [ugs.] :: Done!; It’s a deal! [coll.]; That’s settled!",
         "Abstand {m} | Abstand halten! | Ich folgte ihm mit einigem Abstand. :: "
         "distance | Keep your distance! | I followed him at a distance.",

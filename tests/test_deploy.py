@@ -77,7 +77,8 @@ def test_image_config_differs_from_checkout_config_only_by_the_declared_override
     changed = {p for p in before.keys() | after.keys() if before.get(p, object()) != after.get(p, object())}
     allowed = ("/http_options/", "/args/artifacts_dir", "/bundle", "/engine/provider", "/num_replicas",
                "/autoscaling_config/", "/ray_actor_options/num_cpus", "/ray_actor_options/num_gpus",
-               "/args/api_key", "/args/api_key_env", "/graceful_shutdown_timeout_s")
+               "/args/api_key", "/args/api_key_env", "/graceful_shutdown_timeout_s", "/bundle_sha256",
+               "/args/metrics_require_key")
     assert changed and all(any(a in p for a in allowed) for p in changed), sorted(changed)
     app = out["applications"][0]
     for model in app["args"]["models"]:
@@ -210,9 +211,12 @@ def test_volume_overlay_mounts_the_models_claim_read_only_everywhere() -> None:
     cluster = by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         spec = group["template"]["spec"]
-        assert spec["volumes"] == [{"name": "models", "persistentVolumeClaim":
-                                    {"claimName": claim["metadata"]["name"], "readOnly": True}}]
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"], "readOnly": True}
+                } in spec["volumes"]
         assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+        # appended to the template's writable places under the read-only root filesystem, not replacing them
+        assert {"name": "tmp", "emptyDir": {}} in spec["volumes"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in spec["containers"][0]["volumeMounts"]
     assert "models-volume" in spec["containers"][0]["image"]
 
 

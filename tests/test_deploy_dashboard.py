@@ -171,7 +171,8 @@ def test_dashboard_metrics_appear_in_a_real_scrape(tmp_path, monkeypatch) -> Non
 
     import ray
 
-    from serving.server.launch import prepare_config, start, stop, use_fast_data_plane
+    from serving.server.launch import prepare_config, start, stop
+    from serving.server.ray_env import use_fast_data_plane
 
     if ray.is_initialized():  # conftest's ray_cluster holds this process's Ray: run in a fresh interpreter
         this = f"{__file__}::test_dashboard_metrics_appear_in_a_real_scrape"

@@ -198,6 +198,26 @@ def test_image_serves_like_kvserve_serve_with_the_key_from_the_environment(varia
     assert config["applications"][0]["args"]["api_key_env"] == gen.API_KEY_ENV
 
 
+@pytest.mark.parametrize("variant", DOCKERFILES)
+def test_the_haproxy_wrapper_lands_where_the_image_points_serve(variant: str, tmp_path) -> None:
+    """haproxy_wrapper writes only into a folder of its user that is closed to others (else into a fresh one
+    under /tmp, and Serve would be pointed at a missing file): the folder the image makes for it, with the
+    image's mode, must keep it, and RAY_SERVE_HAPROXY_BINARY_PATH must name it there."""
+    from serving.server.haproxy import haproxy_wrapper
+
+    text = DOCKERFILES[variant].read_text()
+    made = re.search(r"^RUN install -d -o 10001 -g 10001 -m (\d+) (\S+)$", text, re.M)
+    binary = Path(re.search(r"^ENV RAY_SERVE_HAPROXY_BINARY_PATH=(\S+)$", text, re.M).group(1))
+    assert made and binary.parent == Path(made.group(2))
+    assert f"haproxy_wrapper(Path('{binary.parent}'))" in text and f"assert w == Path('{binary}')" in text
+    # written as the user that owns the folder and runs the image (USER before the RUN)
+    assert text.index("USER 10001:10001") < text.index(f"haproxy_wrapper(Path('{binary.parent}'))")
+    folder = tmp_path / "wrapper"
+    folder.mkdir()
+    folder.chmod(int(made.group(1), 8))
+    assert haproxy_wrapper(folder) == folder / binary.name
+
+
 def _build_stage_copies(text: str) -> list[tuple[list[str], str]]:
     """(sources, destination) of each COPY into /src of the build stage."""
     build = text.split("FROM base AS build", 1)[1].split("\nFROM ", 1)[0]

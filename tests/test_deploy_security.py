@@ -9,13 +9,13 @@ checked on Kubernetes' selector semantics.
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import yaml
-from deploy_helpers import DEPLOY, by_kind, load, rendered_lite
+from deploy_helpers import (head_group as _head, ray_cluster as _cluster, rendered_copy as _docs,
+                            worker_group as _worker, DEPLOY, by_kind, load, rendered_lite)
 
 from serving.server.config import split
 
@@ -23,22 +23,6 @@ val = load("validate")
 exposure = load("exposure")
 gen = load("gen_rayservice")
 kl = load("kustomize_lite")
-
-
-def _docs(overlay: str = "gpu") -> list[dict]:
-    return copy.deepcopy(list(rendered_lite(overlay)))
-
-
-def _cluster(docs: list[dict]) -> dict:
-    return by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]
-
-
-def _head(docs: list[dict]) -> dict:
-    return _cluster(docs)["headGroupSpec"]
-
-
-def _worker(docs: list[dict]) -> dict:
-    return _cluster(docs)["workerGroupSpecs"][0]
 
 
 def _container(group: dict) -> dict:
@@ -366,6 +350,7 @@ def test_the_local_config_needs_no_key_on_loopback_but_does_beyond_it() -> None:
     assert val.serve_safety_errors(cfg) == []
     cfg["http_options"]["host"] = "0.0.0.0"
     assert any("with no API key" in e for e in val.serve_safety_errors(cfg))
+    assert any("'translate' serves an unpinned bundle" in e for e in val.serve_safety_errors(cfg))
 
 
 def test_the_generator_refuses_a_plaintext_key_and_overrides_the_local_host() -> None:
@@ -381,7 +366,7 @@ def test_the_generator_refuses_a_plaintext_key_and_overrides_the_local_host() ->
 
 def test_every_ray_container_and_image_runs_with_the_servers_malloc_settings() -> None:
     """The RSS of a long-running server stays flat only with the arenas `kvserve serve` sets (docs/reliability.md)."""
-    from serving.server.launch import MALLOC_ENV
+    from serving.server.ray_env import MALLOC_ENV
 
     docs = _docs()
     for group in (_head(docs), _worker(docs)):

@@ -139,7 +139,7 @@ async def test_a_hung_step_reaches_http_clients_as_retryable_503s_and_error_even
     from serving.server.config import Limits
     from serving.server.metrics import Recorder
     from serving.server.service import ModelService
-    from test_api import LocalBackend
+    from local_backend import LocalBackend
 
     eng, faults = faulty_engine(step_timeout_s=0.3)
     faulty_step = eng.runtime.step
@@ -175,6 +175,7 @@ async def test_a_hung_step_reaches_http_clients_as_retryable_503s_and_error_even
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
             assert r.json()["error"]["type"] == "unavailable"
         assert "step_timeout_s" in plain.json()["error"]["message"] and "retry" in after.json()["error"]["message"]
+        # its only model cannot serve: the server as a whole is not ready
         assert ready.status_code == 503 and ready.json() == {"status": "not_ready", "not_ready": ["generate"]}
     finally:
         faults.release()

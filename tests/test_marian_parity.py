@@ -76,7 +76,7 @@ def http_translations(imp: dict, beams: int) -> list[str]:
     from serving.server.config import Limits, ModelSpec, engine_config
     from serving.server.metrics import Recorder
     from serving.server.service import ModelService
-    from test_api import LocalBackend
+    from local_backend import LocalBackend
 
     async def run() -> list[str]:
         limits = Limits(max_prompt_tokens=64, max_tokens=MAX_NEW, max_beam_size=4)

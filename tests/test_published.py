@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export.bundle import Variant, sha256_file, write_manifest
+from export.bundle import Variant, content_sha256, sha256_file, write_manifest
 from model.published import PUBLISHED_DIR, TASKS, compare, everyday_pairs, lm_text, read_manifest
 
 SIZE_LIMIT_BYTES = 40_000_000  # what the published files may weigh in all (issue: a small repository)
@@ -68,6 +68,7 @@ def test_the_export_of_a_published_model_has_the_manifests_version(fp32_bundles,
     exporters = ("torch", "onnx", "onnxscript")  # what the graphs' bytes depend on
     if all(bundle["export"][k] == published["bundle"]["export"].get(k) for k in exporters):
         assert bundle["version"] == published["version"]
+        assert content_sha256(bundle) == published["bundle"]["sha256"]  # what the shipped Serve configs pin
 
 
 # -- the quality gates -------------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 - The API: KServe v2 `GET /v2/models/{name}/ready` is 200 `{"name", "ready": true}` while the model can
   serve, 503 + Retry-After with the error body otherwise, 404 for a model that is not served;
-  `/v2/health/ready` is 503 naming the models that cannot serve.
+  `/v2/health/ready` (the pods' readiness probe) is 200 while some model can serve, "degraded" naming those that
+  cannot, and 503 only when none can. On the real engines of the tiny bundles (tests/inprocess_app.py); a model
+  stops being ready when its engine dies, here of failing steps (tests/step_faults.py).
 - `ModelReadiness` counts each model's RUNNING replicas in Serve's status: one dead or restarting replica
   beside a running one leaves the model ready; the status call is blocking, so it runs off the event loop,
   and concurrent probes share one call for a second. When Serve's status cannot be read, the replicas are
@@ -13,39 +15,64 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from fake_engine import tiny_tokenizer
+from inprocess_app import InProcessServer
+from serving.engine.engine import MAX_CONSECUTIVE_FAILURES
 from serving.server.drain import Drain
 from serving.server.readiness import ModelReadiness, probe_replicas
-from test_api import assert_error, make_client
+from test_api import LIMITS, assert_error
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+@pytest.fixture
+def server() -> Iterator[InProcessServer]:
+    """Real engines of the tiny bundles whose steps can be made to fail (each test may kill them)."""
+    s = InProcessServer(LIMITS, faults=True)
+    yield s
+    s.close()
+
+
+def kill(server: InProcessServer, model: str) -> None:
+    """Make `model`'s engine dead the way a broken runtime does: its steps fail MAX_CONSECUTIVE_FAILURES times in
+    a row (each request in them gets a retryable 503), after which it refuses everything."""
+    server.faults[model].fail_next(MAX_CONSECUTIVE_FAILURES)
+    path, body = ("/v1/translate", {"text": "x"}) if model == "translate" else ("/v1/generate", {"prompt": "x"})
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        assert_error(server.request("POST", path, json={**body, "max_tokens": 2}), 503)
+    assert server.engines[model].snapshot()["dead"]
 
 
 # -- the API ----------------------------------------------------------------------------------------------------
-async def test_model_readiness_follows_each_model(tok):
+def test_model_readiness_follows_each_model(server):
     drain = Drain()
-    client, engines = make_client(tok, drain=drain)
-    r = await client.get("/v2/models/generate/ready")
+    client = server.app_client(drain=drain)
+
+    def get(path: str):
+        return server.call(client.get(path))
+    r = get("/v2/models/generate/ready")
     assert r.status_code == 200 and r.json() == {"name": "generate", "ready": True}
-    assert (await client.get("/v2/health/ready")).json() == {"status": "ready"}
-    engines["generate"].dead = True  # what a dead or hung engine reports
-    r = await client.get("/v2/models/generate/ready")
+    assert get("/v2/health/ready").json() == {"status": "ready"}
+    err = assert_error(get("/v2/models/gpt-9/ready"), 404, "name")
+    assert "gpt-9" in err["message"] and "/v1/models" in err["message"]
+    assert "translate" not in err["message"] and "generate" not in err["message"]  # open route: no model names
+    drain.set_draining(True)
+    r = get("/v2/models/translate/ready")
+    assert assert_error(r, 503)["type"] == "unavailable" and r.headers["retry-after"] == "1"
+    drain.set_draining(False)
+    assert get("/v2/models/translate/ready").status_code == 200
+    kill(server, "generate")
+    r = get("/v2/models/generate/ready")
     err = assert_error(r, 503)
     assert err["type"] == "unavailable" and "'generate'" in err["message"] and r.headers["retry-after"] == "1"
-    assert (await client.get("/v2/models/translate/ready")).status_code == 200  # the other model is fine
-    r = await client.get("/v2/health/ready")
-    assert r.status_code == 503 and r.json() == {"status": "not_ready", "not_ready": ["generate"]}
-    err = assert_error(await client.get("/v2/models/gpt-9/ready"), 404, "name")
-    assert "gpt-9" in err["message"] and "translate" in err["message"]
-    drain.set_draining(True)
-    r = await client.get("/v2/models/translate/ready")
-    assert assert_error(r, 503)["type"] == "unavailable" and "draining" in r.json()["error"]["message"]
+    assert get("/v2/models/translate/ready").status_code == 200  # the other model is fine
+    r = get("/v2/health/ready")  # the pod keeps serving translate
+    assert r.status_code == 200 and r.json() == {"status": "degraded", "not_ready": ["generate"]}
+    assert server.request("POST", "/v1/translate", json={"text": "x", "max_tokens": 2}).status_code == 200
+    kill(server, "translate")
+    r = get("/v2/health/ready")
+    assert r.status_code == 503 and r.json() == {"status": "not_ready", "not_ready": ["generate", "translate"]}
 
 
 # -- ModelReadiness over Serve's replica states --------------------------------------------------------------------
@@ -135,3 +162,15 @@ async def test_a_probe_retries_past_a_dead_or_silent_replica():
     assert await probe_replicas(Handle([RuntimeError("actor died"), True]))
     assert await probe_replicas(Handle(["hang", False, True]), timeout_s=0.05)
     assert not await probe_replicas(Handle([RuntimeError("died"), False, "hang", True]), timeout_s=0.05)
+
+
+def test_kserve_v2_model_metadata_names_the_versions_and_the_text_tensors(server):
+    r = server.request("GET", "/v2/models/translate")
+    assert r.status_code == 200, r.text
+    meta = r.json()
+    assert meta["name"] == "translate" and meta["platform"] == "onnxruntime" and meta["task"] == "translate"
+    assert meta["versions"] == [server.versions["translate"]]  # the bundle's content version
+    assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    generate = server.request("GET", "/v2/models/generate").json()
+    assert generate["task"] == "generate" and generate["outputs"][0]["name"] == "text"
+    assert_error(server.request("GET", "/v2/models/gpt-9"), 404, "name")

@@ -280,3 +280,45 @@ def test_layout_invariants_hold_under_random_traffic(arrivals, n_slots, budget, 
                 s.finish(q, 1e4)
     assert not s.running and not s.waiting and s.slots_used == 0
     assert all(q.phase == Phase.DONE for q in made)
+
+
+def test_a_more_urgent_request_is_admitted_before_the_waiting_bulk_ones():
+    """All slots busy, bulk requests (priority 5) waiting: an interactive one (priority -1) that comes later is the
+    next admitted; requests of equal priority keep their arrival order."""
+    s = sched(n_slots=2, max_waiting=8)
+    s.add([seq("busy1"), seq("busy2")], 0.0)
+    run(s)
+    bulk = [seq(f"bulk{i}") for i in range(3)]
+    for b in bulk:
+        b.priority = 5
+    s.add(bulk, 1.0)
+    urgent, plain = seq("urgent"), seq("plain")
+    urgent.priority = -1
+    s.add([plain], 2.0)
+    s.add([urgent], 3.0)
+    assert [q.request_id for q in s.waiting] == ["urgent", "plain", "bulk0", "bulk1", "bulk2"]
+    s.finish(s.owner[0], 4.0)  # one slot frees
+    run(s, 4.0)
+    assert {q.request_id for q in s.running} == {"busy2", "urgent"}
+    assert [q.request_id for q in s.waiting] == ["plain", "bulk0", "bulk1", "bulk2"]
+
+
+def test_under_overload_the_refusals_fall_on_bulk_requests_first():
+    """Bulk requests (priority above 0) may fill half of the waiting places; the other half stays for the rest."""
+    s = sched(n_slots=1, max_waiting=4)
+    s.add([seq("busy")], 0.0)
+    run(s)
+    admitted = []
+    for i in range(6):
+        b = seq(f"bulk{i}")
+        b.priority = 1
+        try:
+            s.add([b], 1.0)
+            admitted.append(b.request_id)
+        except AdmissionRejected as e:
+            assert e.reason == "queue_full"
+    assert admitted == ["bulk0", "bulk1"]  # half of max_waiting
+    for i in range(2):
+        s.add([seq(f"user{i}")], 2.0)  # the rest of the queue is still open to priority 0
+    with pytest.raises(AdmissionRejected, match="queue_full"):
+        s.add([seq("user2")], 2.0)

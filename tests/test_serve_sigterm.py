@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import free_port, wait_serving
 from reliability_cluster import write_long_bundles
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # the cluster suite CI runs (`make test-cluster`)
@@ -43,14 +43,23 @@ def _config(art: Path, port: int, path: Path) -> Path:
 
 
 def _stream(base: str, out: list, started: threading.Event) -> None:
+    """One stream; `started` is set at its first event, or when it ended without one (its entry in `out` says why:
+    a status, or the exception in place of the events)."""
     body = {"prompt": "the quick brown fox", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
-    events = []
-    with httpx.Client(base_url=base, timeout=120) as c, c.stream("POST", "/v1/generate", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-                started.set()
-    out.append((r.status_code, events, time.monotonic()))
+    events: list = []
+    status = None
+    try:
+        with httpx.Client(base_url=base, timeout=120) as c, c.stream("POST", "/v1/generate", json=body) as r:
+            status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    started.set()
+    except httpx.HTTPError as e:
+        events.append({"error": repr(e)})
+    finally:
+        out.append((status, events, time.monotonic()))
+        started.set()
 
 
 def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path):
@@ -63,7 +72,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path
                                  str(bundles), "--num-cpus", "2"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        _wait_serving(proc, log)
+        wait_serving(proc, log)
         base = f"http://127.0.0.1:{port}"
         results: list = []
         firsts = [threading.Event() for _ in range(STREAMS)]
@@ -71,6 +80,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path
         for t in threads:
             t.start()
         assert all(e.wait(60) for e in firsts), "the streams did not start"
+        assert not results, f"streams ended before the signal: {[(s, e[-1:]) for s, e, _ in results]}"
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         refused = _first_refusal(base)
@@ -92,15 +102,6 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(bundles, tmp_path
     assert all(len(events) == TOKENS + 1 for events in whole)  # every token, then the final event
     assert refused is not None and refused[0] == 503 and refused[1] is not None, refused
     assert code == 0 and exited_s < 60 + 30, (code, exited_s, log.read_text()[-2000:])
-
-
-def _wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s and proc.poll() is None:
-        if "kvserve: serving after" in log.read_text(errors="replace"):
-            return
-        time.sleep(0.5)
-    raise AssertionError("kvserve serve did not start:\n" + log.read_text(errors="replace")[-3000:])
 
 
 def _first_refusal(base: str, timeout_s: float = 15) -> tuple[int, str | None] | None:

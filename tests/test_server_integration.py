@@ -27,6 +27,17 @@ def test_health_and_models(client):
     assert ids == {"translate": "translate", "generate": "generate", "slowgen": "generate", "waitgen": "generate"}
     pinned = {m["id"] for m in data if "parent" in m}  # one `model@version` entry per served version
     assert pinned == {f"{m['id']}@{m['version']}" for m in data if "parent" not in m}
+    meta = client.get("/v2/models/translate").json()  # KServe v2 metadata
+    assert meta["name"] == "translate" and meta["versions"] == [ids_version(data, "translate")]
+    # the tokenizer of a model in a deployment of its own, through its replica's handle
+    tokens = client.post("/tokenize", json={"model": "generate", "prompt": "the dog"}).json()["tokens"]
+    assert client.post("/detokenize", json={"model": "generate", "tokens": tokens[1:]}).json() == {"prompt": "the dog"}
+    r = client.post("/detokenize", json={"model": "generate", "tokens": [-1]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "tokens"
+
+
+def ids_version(data: list, model: str) -> str:
+    return next(m["version"] for m in data if m["id"] == model)
 
 
 def test_translate_matches_bundle_evaluation(client, server):

@@ -1,6 +1,6 @@
 """The soak tool itself (slow): `python -m bench.soak` for one minute on a tiny generate model writes its JSON
 and plot, sees no 5xx, finds the engine idle afterwards and compares the soaked server with a fresh copy beside it.
-The 30-minute soak is `make soak`; `bench.soak_env` and `bench.soak_kinds` get short runs here too.
+The 30-minute soak is `make soak`.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     result = json.loads((bundles / "bench" / "soak.json").read_text())
     assert result["placement"] == placement
-    from serving.server.launch import MALLOC_ENV
+    from serving.server.ray_env import MALLOC_ENV
     assert result["ingress_malloc_env"] == MALLOC_ENV  # the server's processes run with kvserve's arenas
     assert (out / "soak.png").stat().st_size > 10_000
     assert not [s for s in result["statuses"] if s.startswith("5")] and result["statuses"].get("200", 0) > 0
@@ -64,76 +64,3 @@ def test_a_short_soak_writes_its_figures_and_leaves_the_engine_idle(bundles, tmp
     assert all(side["statuses"][s].get("200", 0) > 0 for s in ("soaked", "fresh")), side
     assert not [k for s in side["statuses"].values() for k in s if k.startswith("5")], side
     assert side["p99_soaked_over_fresh"] == round(side["p99_s"]["soaked"] / side["p99_s"]["fresh"], 3)
-
-
-def test_each_variant_is_a_copy_of_the_app_with_its_env_in_the_ingress_only(tmp_path):
-    from bench.soak import soak_config
-    from bench.soak_env import variants_config
-
-    for task in ("translate", "generate"):  # soak_config checks the bundles exist (their manifests)
-        (tmp_path / "bundles" / task).mkdir(parents=True)
-        (tmp_path / "bundles" / task / "manifest.json").write_text(json.dumps({"task": task}))
-    env = {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
-    cfg = variants_config(soak_config(tmp_path, 8000), {"glibc": {}, "jemalloc": env})
-    apps = {a["name"]: a for a in cfg["applications"]}
-    assert {n: a["route_prefix"] for n, a in apps.items()} == {"glibc": "/glibc", "jemalloc": "/jemalloc"}
-    ingress = {n: next(d for d in a["deployments"] if d["name"] == "ingress") for n, a in apps.items()}
-    assert ingress["jemalloc"]["ray_actor_options"]["runtime_env"] == {"env_vars": env}
-    assert "runtime_env" not in ingress["glibc"]["ray_actor_options"]
-    assert [d["name"] for d in apps["glibc"]["deployments"]] == ["ingress"]  # colocated: the model inside
-    assert apps["glibc"]["args"]["models"] == apps["jemalloc"]["args"]["models"]
-
-
-def test_the_variants_report_fits_each_ingress_after_warm_up():
-    from bench.soak_env import report
-
-    samples = [{"t": t, "rss_mb": {"a": 100 + t / 60, "b": 100 + (t / 60 if t < 600 else 10)},
-                "cpu_s": {"a": 0.5 * t, "b": 0.25 * t}, "p99_s": None} for t in range(0, 1201, 10)]
-    runs = {n: {"statuses": {"200": 100}, "latencies": [(i, i / 100) for i in range(1, 101)]} for n in "ab"}
-    out = report({"a": {}, "b": {"X": "1"}}, {"a": 10.0, "b": 12.0}, 3.0, runs, samples, warmup_s=180)
-    assert out["a"]["rss_growth_mb_per_10min"] == 10.0 and out["a"]["rss_growth_second_half"] == 10.0
-    assert out["b"]["rss_growth_second_half"] == 0.0  # flat after minute 10
-    assert (out["a"]["cpu_cores"], out["b"]["cpu_cores"]) == (0.5, 0.25)
-    assert (out["a"]["p50_s"], out["a"]["p99_s"]) == (0.51, 1.0)
-    assert out["b"]["rss_mb_start_end"] == [100.0, 110.0]
-
-
-@pytest.mark.slow
-def test_variants_soak_side_by_side_and_each_ingress_gets_its_env(bundles, tmp_path):
-    raw = tmp_path / "soak_env.json"
-    env = {"MALLOC_TRIM_THRESHOLD_": "131072"}
-    run = subprocess.run([sys.executable, "-m", "bench.soak_env", "--minutes", "1", "--warmup-minutes", "0.2",
-                          "--artifacts", str(bundles), "--raw", str(raw), "--variants",
-                          json.dumps({"base": {}, "trim": env})], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
-    result = json.loads(raw.read_text())
-    for name in ("base", "trim"):
-        assert result[name]["statuses"].get("200", 0) > 0 and result[name]["capacity_req_s"] > 0
-        assert result[name]["rss_growth_mb_per_10min"] is not None and result[name]["p99_s"] > 0
-    assert result["env_applied"] == {"base": {}, "trim": env}  # read from the ingress process itself
-    assert len(result["samples"]) >= 5
-
-
-def test_kinds_growth_is_a_slope_per_thousand_requests():
-    from bench.soak_kinds import slope_per_1000
-
-    assert slope_per_1000([(3000, 100.0), (4000, 100.5), (5000, 101.0)]) == 0.5
-    assert slope_per_1000([(3000, 100.0), (4000, 100.0)]) == 0.0
-    assert slope_per_1000([(3000, 100.0)]) is None
-
-
-@pytest.mark.slow
-def test_kinds_sends_each_kind_in_batches_and_fits_each_process(bundles, tmp_path):
-    raw = tmp_path / "kinds.json"
-    run = subprocess.run([sys.executable, "-m", "bench.soak_kinds", "--placement", "split", "--kinds",
-                          "plain,giveup", "--batches", "4", "--per-batch", "40", "--clients", "4", "--artifacts",
-                          str(bundles), "--raw", str(raw)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
-    kinds = json.loads(raw.read_text())["kinds"]
-    assert set(kinds) == {"plain", "giveup"}
-    assert kinds["plain"]["outcomes"] == {"200": 160}  # every request of the kind, every one answered
-    assert sum(kinds["giveup"]["outcomes"].values()) == 160
-    for kind in kinds.values():
-        assert set(kind["mb_per_1000"]) == {"ingress", "replica"}  # split: the engine in a replica of its own
-        assert all(len(v) == 4 and min(v) > 50 for v in kind["rss_mb"].values())

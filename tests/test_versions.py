@@ -164,3 +164,22 @@ def test_the_policy_asks_for_enough_replicas_to_fill_a_share_of_their_kv_slots()
     assert desired == pytest.approx(3.0)
     with pytest.raises(ValueError, match="target_utilization=0"):
         EngineLoadPolicy(target_utilization=0)
+
+
+def test_a_pinned_hash_refuses_a_swapped_bundle_and_accepts_its_own(pristine, tmp_path, capsys):
+    from export.bundle import content_sha256
+    from kvserve.cli import main
+    from serving.server.config import ModelSpec
+
+    bundle = copy_bundle(pristine, tmp_path / "b")
+    pin = content_sha256(load_bundle(bundle).manifest)
+    assert main(["bundle-hash", str(bundle)]) == 0 and capsys.readouterr().out.split() == [pin, str(bundle)]
+    assert load_bundle(bundle, sha256=pin).version == pin[:12]
+    other = tiny_bundle(tmp_path / "other", "translate")  # self-consistent, manifest and all: not the pinned one
+    with pytest.raises(BundleError, match="not the one the Serve config pins"):
+        load_bundle(other, sha256=pin)
+    spec = ModelSpec.model_validate({"name": "generate", "bundle": "b", "bundle_sha256": pin,
+                                     "canary": {"bundle": "c", "weight": 10, "bundle_sha256": "0" * 64}})
+    assert spec.bundle_pin("generate") == pin and spec.bundle_pin("generate-canary") == "0" * 64
+    with pytest.raises(ValueError):
+        ModelSpec.model_validate({"name": "generate", "bundle": "b", "bundle_sha256": pin[:12]})

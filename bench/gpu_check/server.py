@@ -70,10 +70,9 @@ def replica_info() -> dict[str, Any]:
 
 
 def run(step: Step, plan: Plan, bundles: Bundles, device: str, work: Path, data_dir: Path) -> None:
-    import ray
-
     from bench.http import _free_port
-    from serving.server.launch import prepare_config, start, stop, use_fast_data_plane
+    from serving.server.launch import prepare_config, start, stop
+    from serving.server.ray_env import init_local_ray
 
     bundle = bundles.get("generate", plan.server_variant) or bundles.get("generate", "fp32")
     if bundle is None:
@@ -87,9 +86,9 @@ def run(step: Step, plan: Plan, bundles: Bundles, device: str, work: Path, data_
     # Ray's workers (the Serve controller imports serving.server.app) find this checkout without an install
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
-    use_fast_data_plane()  # the data plane `kvserve serve` runs (serving/server/launch.py)
-    ray.init(num_cpus=max(os.cpu_count() or 1, 2), num_gpus=1 if device == "cuda" else 0, include_dashboard=False,
-             log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
+    # the local cluster `kvserve serve` runs (serving/server/ray_env.py)
+    init_local_ray(max(os.cpu_count() or 1, 2), num_gpus=1 if device == "cuda" else 0, include_dashboard=False,
+                   log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
     try:
         start(prepare_config(path), timeout_s=300)
         step.data["startup_s"] = round(time.perf_counter() - t0, 1)

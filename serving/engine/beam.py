@@ -20,6 +20,7 @@ an independent reference over the PyTorch model:
 
 Does not own: KV slots, the runtime, streaming (serving/engine/engine.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 @dataclass
 class BeamSearch:
     """The state of one request's beam search; `advance` once per decoder step."""
+
     beam_size: int
     max_new_tokens: int
     end_ids: frozenset[int]  # eos and stop token ids
@@ -90,7 +92,7 @@ class BeamSearch:
         self.beams, self.scores = beams, np.asarray(scores, dtype=np.float64)
         if self.steps >= self.max_new_tokens:
             # every live beam finishes too (Hugging Face's generate: each top candidate at the limit is done)
-            self.finished.extend((tuple(t), float(s)) for t, s in zip(self.beams, self.scores))
+            self.finished.extend((tuple(t), float(s)) for t, s in zip(self.beams, self.scores, strict=True))
             best = self.hypotheses_raw()[0][0]
             self.reason = FinishReason.STOP if best and best[-1] in self.end_ids else FinishReason.LENGTH
         elif len(self.finished) >= k:
@@ -105,5 +107,7 @@ class BeamSearch:
 
     def hypotheses(self) -> tuple[Hypothesis, ...]:
         """The n-best finished hypotheses, best first: (tokens without the end token, normalized score)."""
-        return tuple((toks[:-1] if toks and toks[-1] in self.end_ids else toks, norm)
-                     for toks, norm in self.hypotheses_raw()[: self.n_best])
+        return tuple(
+            (toks[:-1] if toks and toks[-1] in self.end_ids else toks, norm)
+            for toks, norm in self.hypotheses_raw()[: self.n_best]
+        )

@@ -2,10 +2,10 @@
 
 ONNX Runtime's uint8 x int8 GEMM (MLAS) on an x86 CPU without VNNI (AVX2 or AVX-512BW only: AMD Zen 2/3, Intel
 before Cascade Lake) adds each pair of u8 x s8 products into a 16-bit lane with saturation (`vpmaddubsw`): two
-products of 255 x 127 exceed 32,767 and the sum is silently wrong. Measured on a 2-core AMD EPYC with AVX2 only
-(2026-12-02, ORT 1.32, `MatMulIntegerToFloat`, 8 x 256 x 64 of random full-range values): max error 47,965 on
-sums up to 257,635; with weights within +-64 (2 x 255 x 64 = 32,640 fits) the products are exact. With VNNI
-(`vpdpbusd`: every sum in 32 bits) full-range weights are exact.
+products of 255 x 127 exceed 32,767 and the sum is silently wrong: on an AVX2-only CPU, `MatMulIntegerToFloat`
+(ORT 1.32) over random full-range values gives sums off by tens of thousands. With weights within +-64
+(2 x 255 x 64 = 32,640 fits) the products are exact (tests/test_int8_fit.py checks it on the CPU it runs on).
+With VNNI (`vpdpbusd`: every sum in 32 bits) full-range weights are exact.
 
 So, where the CPU lacks VNNI, the runtime halves the int8 weights of every `MatMulIntegerToFloat` whose weights
 reach past +-64 (rounded to the nearest, the column's scale doubled) before it creates the session: 7-bit
@@ -15,6 +15,7 @@ a VNNI CPU runs them unchanged.
 Does not own: the quantization itself (export/variants.py `rows_int8`); `int8-dynamic` exports its weights in
 7 bits (`reduce_range`) on every CPU.
 """
+
 from __future__ import annotations
 
 import platform

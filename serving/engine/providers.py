@@ -3,6 +3,7 @@ driver sees a device (asked directly, so no failing CUDA session is ever attempt
 
 TORCH-FREE. Does not own: sessions (serving/engine/runtime.py).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -27,14 +28,16 @@ def gpu_visible() -> bool:
 
 
 def choose_provider(requested: str) -> str:
-    """"auto" -> CUDA EP if a GPU is usable, else CPU EP; "cpu"/"cuda" or a full EP name force one."""
+    """The EP for `requested`: "auto" -> CUDA EP if a GPU is usable, else CPU EP; "cpu"/"cuda" or a full EP name
+    force one."""
     if requested == "auto":
         return CUDA_EP if gpu_visible() else CPU_EP
     if requested not in _PROVIDER_ALIASES:
-        raise ValueError(f"provider {requested!r} is not supported; use one of "
-                         f"{['auto', *_PROVIDER_ALIASES]}")
+        raise ValueError(f"provider {requested!r} is not supported; use one of {['auto', *_PROVIDER_ALIASES]}")
     ep = _PROVIDER_ALIASES[requested]
     if ep == CUDA_EP and not gpu_visible():
-        raise ValueError("provider 'cuda' was requested but no GPU is visible to onnxruntime "
-                         f"(available providers: {ort.get_available_providers()}); use 'auto' or 'cpu'")
+        raise ValueError(
+            "provider 'cuda' was requested but no GPU is visible to onnxruntime "
+            f"(available providers: {ort.get_available_providers()}); use 'auto' or 'cpu'"
+        )
     return ep

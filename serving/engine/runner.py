@@ -12,21 +12,25 @@ the batched argmax of plain greedy rows, per-row sampling and beam advances; the
 Does not own: which rows run (serving/engine/scheduler.py), events, finishing requests (serving/engine/engine.py).
 Everything it touches belongs to the step in flight; only the step thread calls it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence as Seq
+from typing import Any, Protocol
 
 import numpy as np
 
 from serving.engine.beam import BeamSearch
-from serving.engine.sampling import greedy, sample_plain, sample_row
+from serving.engine.sampling import adjust_logits, greedy, log_softmax, sample_plain, sample_row, top_logprobs
 from serving.engine.scheduler import Chunk, Phase, Sequence, StepPlan
 from serving.engine.types import GenerationRequest
 
 
 class Runtime(Protocol):
     """The part of serving.engine.runtime.ModelRuntime the engine uses."""
+
     is_encoder_decoder: bool
     n_slots: int
     max_len: int
@@ -37,21 +41,26 @@ class Runtime(Protocol):
 
     def encode(self, start: int, sources: list[list[int]]) -> None: ...
     def keep_sources(self, n: int) -> None: ...
-    def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
-             write_pos: np.ndarray, copy: bool = True) -> np.ndarray: ...
+    def step(
+        self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray, copy: bool = True
+    ) -> np.ndarray: ...
     def copy_slots(self, src: Seq[int], dst: Seq[int], length: int | None = None) -> None: ...
 
 
 @dataclass(eq=False)
 class RequestState:
     """The engine's per-request state (Sequence.payload)."""
+
     req: GenerationRequest
-    handle: Any  # serving.engine.engine.RequestHandle
+    handle: Any  # serving.engine.handle.RequestHandle, set by serving.engine.checks.admit
     decoder_prompt: list[int]  # decoder-only: the prompt; encoder-decoder: [bos]
     source: list[int]  # encoder-decoder: the source sentence; decoder-only: []
     end_ids: frozenset[int]
     plain: bool  # plain greedy: the batched argmax is its token
     sampled: bool = False  # plain temperature sampling: the step's batched sample_plain gives its token
+    adjusts: bool = False  # penalties, biases, min_tokens or no_repeat_ngram_size change its logits
+    # anything beyond picking a token: log-probabilities, forced tokens or adjusted logits (`_Extras`)
+    extra: bool = False
     rng: np.random.Generator | None = None
     beam: BeamSearch | None = None
     beam_tokens: np.ndarray | None = None  # each beam's newest token (fed at the next step)
@@ -61,6 +70,15 @@ class RequestState:
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
 
+    def generator(self) -> np.random.Generator:
+        """Its random generator: every request that is neither plain greedy nor a beam search has one."""
+        assert self.rng is not None, "a plain greedy or beam-search request draws no random numbers"
+        return self.rng
+
+    def forcing(self) -> bool:
+        """Whether its next token is a forced one (SamplingParams.forced_ids)."""
+        return len(self.tokens) < len(self.req.params.forced_ids)
+
     def history(self) -> np.ndarray:
         """Ids the repetition penalty applies to: the prompt (decoder-only) and the generated tokens."""
         base = self.decoder_prompt if len(self.decoder_prompt) > 1 else []
@@ -69,8 +87,10 @@ class RequestState:
 
 @dataclass
 class StepResult:
-    """Per request that produced something this step: its token, or its beam step (parents, tokens)."""
-    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    """Per request that produced something this step: its token (with its log-probabilities when asked: (logprob,
+    top ids and theirs)), or its beam step (parents, tokens)."""
+
+    tokens: list[tuple[Sequence, int, tuple | None]] = field(default_factory=list)
     beams: list[Sequence] = field(default_factory=list)
     decode_tokens: int = 0
     prefill_tokens: int = 0
@@ -152,6 +172,8 @@ class StepRunner:
             prefill = self._prefill_inputs(plan)  # (ids (n, T), lens, wpos); encodes the joiners' sources
             out.prefill_tokens = int(prefill[1].sum())
         self._starting()
+        decode_logits: np.ndarray | None = None  # (D, V), when there are decode rows
+        prefill_logits: np.ndarray | None = None  # (n, V), when there is a prefill
         if prefill is not None and prefill[0].shape[1] == 1 and d:
             ids = np.concatenate([self.last[:d, None], prefill[0]])
             wpos = np.concatenate([self.pos[:d], prefill[2]])
@@ -159,14 +181,15 @@ class StepRunner:
             decode_logits, prefill_logits = logits[:d], logits[d:]
         else:
             # copy=False: each call's logits are the runtime's rows [start, start + n), disjoint, read this step
-            decode_logits = (self.rt.step(0, self.last[:d, None], self.ones[:d], self.pos[:d], copy=False)
-                             if d else None)
-            prefill_logits = self.rt.step(d, *prefill, copy=False) if prefill is not None else None
-        if d:
+            if d:
+                decode_logits = self.rt.step(0, self.last[:d, None], self.ones[:d], self.pos[:d], copy=False)
+            if prefill is not None:
+                prefill_logits = self.rt.step(d, *prefill, copy=False)
+        if decode_logits is not None:
             self._pick_decode(decode_logits, rows, out)
             self.pos[:d] = np.minimum(self.pos[:d] + 1, self.rt.max_len - 1)
-        if prefill is not None:
-            self.pos[d: d + prefill[0].shape[0]] = prefill[2] + prefill[1]
+        if prefill is not None and prefill_logits is not None:
+            self.pos[d : d + prefill[0].shape[0]] = prefill[2] + prefill[1]
             self._pick_prefill(prefill_logits, d, plan.prefill, out)
         if self._reorders:
             self.pending.append((self._reorders, False))
@@ -174,9 +197,19 @@ class StepRunner:
 
     def _pick_decode(self, logits: np.ndarray, rows: list[Sequence], out: StepResult) -> None:
         raw = self._ban(logits)
+        extras = _Extras(
+            logits, [(r, s.payload) for r, s in enumerate(rows) if s.phase != Phase.HELD and s.payload.extra]
+        )
         tokens = greedy(logits)  # (D,): every plain-greedy row is done here, in one call
-        _sample_rows(logits, tokens, [(r, s.payload) for r, s in enumerate(rows)
-                                      if s.phase != Phase.HELD and s.payload.sampled])
+        _sample_rows(
+            logits,
+            tokens,
+            [
+                (r, s.payload)
+                for r, s in enumerate(rows)
+                if s.phase != Phase.HELD and s.payload.sampled and not s.payload.forcing()
+            ],
+        )
         for r, seq in enumerate(rows):
             if seq.phase == Phase.HELD:
                 continue
@@ -186,9 +219,10 @@ class StepRunner:
                     self._advance_beam(seq, self._raw_rows(logits, raw, seq.slots))
                     out.beams.append(seq)
                 continue
-            if not st.plain and not st.sampled:
-                tokens[r] = sample_row(logits[r], st.req.params, st.rng, st.history())
-            out.tokens.append((seq, int(tokens[r])))
+            if not st.plain and not st.sampled and not st.forcing():
+                tokens[r] = sample_row(logits[r], st.req.params, st.generator(), st.history())
+            tokens[r], info = extras.finish(r, st, int(tokens[r]))
+            out.tokens.append((seq, int(tokens[r]), info))
         self.last[: len(rows)] = tokens  # held rows (static batch) feed junk, which nothing reads
         for seq in out.beams:
             self.last[seq.slots] = seq.payload.beam_tokens
@@ -197,8 +231,10 @@ class StepRunner:
     def _advance_beam(self, seq: Sequence, logits: np.ndarray, reorder: bool = True) -> None:
         """One beam step; beam i's KV slot gets its parent's cache (a slot copy, before the next step)."""
         st: RequestState = seq.payload
-        parents, st.beam_tokens = st.beam.advance(logits)
-        if reorder and not st.beam.done:
+        beam = st.beam
+        assert beam is not None, "a beam step of a request without beams"
+        parents, st.beam_tokens = beam.advance(logits)
+        if reorder and not beam.done:
             # every beam request's reorder goes into one copy batch: their slot sets are disjoint
             self._reorders += [(seq.slots[p], seq.slots[i]) for i, p in enumerate(parents) if p != i]
 
@@ -214,8 +250,8 @@ class StepRunner:
         r = 0
         for c in chunks:
             st: RequestState = c.seq.payload
-            ids[r: r + c.seq.width, : c.length] = st.decoder_prompt[c.start: c.start + c.length]
-            lens[r: r + c.seq.width], wpos[r: r + c.seq.width] = c.length, c.start
+            ids[r : r + c.seq.width, : c.length] = st.decoder_prompt[c.start : c.start + c.length]
+            lens[r : r + c.seq.width], wpos[r : r + c.seq.width] = c.length, c.start
             if self.rt.is_encoder_decoder:
                 sources += [st.source] * c.seq.width
             r += c.seq.width
@@ -226,13 +262,18 @@ class StepRunner:
 
     def _pick_prefill(self, logits: np.ndarray, start: int, chunks: list[Chunk], out: StepResult) -> None:
         raw = self._ban(logits)
-        tokens = greedy(logits)
         firsts, r = [], 0  # each chunk's first row
         for c in chunks:
             firsts.append(r)
             r += c.seq.width
-        _sample_rows(logits, tokens, [(r, c.seq.payload) for r, c in zip(firsts, chunks)
-                                      if c.completes and c.seq.payload.sampled])
+        done = [
+            (r, c.seq.payload)
+            for r, c in zip(firsts, chunks, strict=True)
+            if c.completes and c.seq.payload.beam is None
+        ]
+        extras = _Extras(logits, [(r, st) for r, st in done if st.extra])
+        tokens = greedy(logits)
+        _sample_rows(logits, tokens, [(r, st) for r, st in done if st.sampled and not st.forcing()])
         r = 0
         for c in chunks:
             seq, st = c.seq, c.seq.payload
@@ -240,13 +281,17 @@ class StepRunner:
                 if st.beam is not None:
                     # after prefill every beam row holds the same cache: no reorder copies needed
                     self._advance_beam(seq, self._raw_rows(logits, raw, slice(r, r + 1)), reorder=False)
-                    self.last[start + r: start + r + seq.width] = st.beam_tokens
+                    self.last[start + r : start + r + seq.width] = st.beam_tokens
                     out.beams.append(seq)
                 else:
-                    tok = int(tokens[r]) if st.plain or st.sampled else sample_row(logits[r], st.req.params,
-                                                                                   st.rng, st.history())
+                    tok = (
+                        int(tokens[r])
+                        if st.plain or st.sampled or st.forcing()
+                        else sample_row(logits[r], st.req.params, st.rng, st.history())
+                    )
+                    tok, info = extras.finish(r, st, tok)
                     self.last[start + r] = tok
-                    out.tokens.append((seq, tok))
+                    out.tokens.append((seq, tok, info))
             r += seq.width
 
 
@@ -257,5 +302,31 @@ def _sample_rows(logits: np.ndarray, tokens: np.ndarray, rows: list[tuple[int, R
         return
     idx = np.fromiter((r for r, _ in rows), dtype=np.int64, count=len(rows))
     temps = np.fromiter((st.req.params.temperature for _, st in rows), dtype=np.float64, count=len(rows))
-    draws = np.fromiter((st.rng.random() for _, st in rows), dtype=np.float64, count=len(rows))
+    draws = np.fromiter((st.generator().random() for _, st in rows), dtype=np.float64, count=len(rows))
     tokens[idx] = sample_plain(logits[idx], temps, draws)
+
+
+class _Extras:
+    """A step's rows that ask for more than a token: their log-probabilities are taken from the logits as the
+    model gave them (banned ids excluded), before their penalties and biases change those logits in place (then
+    greedy and sampling pick from the changed ones); `finish` puts a forced token in place of the picked one and
+    gives the token's log-probabilities."""
+
+    def __init__(self, logits: np.ndarray, rows: list[tuple[int, RequestState]]) -> None:
+        self.rows = rows
+        asked = [r for r, st in rows if st.req.params.logprobs is not None]
+        self.logprobs = dict(zip(asked, log_softmax(logits[asked]), strict=True)) if asked else {}
+        for r, st in rows:
+            if st.adjusts:
+                adjust_logits(logits[r], st.req.params, st.tokens, st.decoder_prompt + st.tokens, st.end_ids)
+
+    def finish(self, r: int, st: RequestState, token: int) -> tuple[int, tuple | None]:
+        if not st.extra:
+            return token, None
+        forced = st.req.params.forced_ids
+        if len(st.tokens) < len(forced):
+            token = forced[len(st.tokens)]
+        lp, k = self.logprobs.get(r), st.req.params.logprobs  # lp: only for a request that asked (k set)
+        if lp is None or k is None:
+            return token, None
+        return token, (float(lp[token]), top_logprobs(lp, k))

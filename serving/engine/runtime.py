@@ -1,11 +1,11 @@
 """The model runtime: ONNX Runtime sessions of one bundle and the KV-cache slots they run on.
 
-Owns: session options (threads set explicitly), the slot buffers (serving/engine/slots.py; per decoder layer,
-self-attention keys/values `[n_slots, H, M, Dh]` and, for translation, cross-attention keys/values
-`[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or on the CPU the longest source held),
-and three operations on slots: `encode` (encoder run, cross keys/values written into slots), `step` (one decoder
-step on contiguous slots, KV updated in place through IOBinding: past and present bound to the same rows) and
-`copy_slots` (beam reordering, compaction); a freed slot needs no reset, its rows are overwritten by the next
+Owns: the sessions of one bundle (opened by serving/engine/sessions.py: options, providers), the slot buffers
+(serving/engine/slots.py; per decoder layer, self-attention keys/values `[n_slots, H, M, Dh]` and, for translation,
+cross-attention keys/values `[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or on the CPU the
+longest source held), and three operations on slots: `encode` (encoder run, cross keys/values written into slots),
+`step` (one decoder step on contiguous slots, KV updated in place through IOBinding: past and present bound to the same
+rows) and `copy_slots` (beam reordering, compaction); a freed slot needs no reset, its rows are overwritten by the next
 prefill. One-token steps run through bindings made once per row range.
 
 Decoder graph: on the CPU EP, a bundle's `decoder_cpu.onnx` where it has one (GroupQueryAttention: per-row
@@ -17,11 +17,12 @@ Slot data never leaves the device: rows [start, start+n) are bound by pointer (a
 (serving/engine/providers.py chooses it), fp32 bundles run with TF32 off (ORT's default is on): fp32 is the
 reference variant, held to PyTorch's logits within 1e-4; fp16 bundles are the fast one. A CUDA session that
 came up without the CUDA EP (ORT falls back to the CPU EP when the CUDA or cuDNN libraries cannot be loaded)
-is an error, not a silent CPU fallback.
+is an error, not a silent CPU fallback (serving/engine/sessions.py).
 
 TORCH-FREE (numpy + onnxruntime + onnx.helper). Does not own: scheduling, sampling, tokenization
 (the rest of serving/engine/), bundle verification (export/bundle.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,13 +31,13 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
-from export.bundle import Bundle, check_graph_io
+from export.bundle import Bundle
 from export.contract import cross_key, cross_value, past_key, past_value, present_key, present_value
-from serving.engine.int8_fit import fit_int8_weights, int8_sums_can_overflow
 from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visible  # noqa: F401 (re-exported)
+from serving.engine.runtime_checks import check_copy, check_rows, check_source_lengths, check_step
+from serving.engine.sessions import check_session_io, execution_providers, open_session
 from serving.engine.slots import SlotBuffer, slot_copy_graph, slot_place_graph
 
-_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
 CROSS_WIDTH_STEP = 16  # the cross buffers' source axis grows and shrinks in steps of this many positions
 
 
@@ -59,9 +60,16 @@ def _gqa_runs(input_len: np.ndarray, write_pos: np.ndarray) -> list[tuple[int, i
 class ModelRuntime:
     """Sessions + KV slots of one bundle. The engine owns which slot holds which request."""
 
-    def __init__(self, bundle: Bundle, n_slots: int, provider: str = "auto",
-                 intra_op_threads: int | None = None, max_src_len: int | None = None,
-                 decoder_graph: str | None = None, profile_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        n_slots: int,
+        provider: str = "auto",
+        intra_op_threads: int | None = None,
+        max_src_len: int | None = None,
+        decoder_graph: str | None = None,
+        profile_prefix: str | None = None,
+    ) -> None:
         """`profile_prefix`: when given, every session writes ONNX Runtime's profile (JSON trace) to files
         starting with it; `end_profiling()` returns their paths (bench/gpu_check reads them)."""
         cfg = bundle.config
@@ -85,35 +93,14 @@ class ModelRuntime:
         if decoder_graph is None:
             decoder_graph = "decoder_cpu" if self._provider == CPU_EP and "decoder_cpu" in bundle.paths else "decoder"
         if decoder_graph not in ("decoder", "decoder_cpu") or decoder_graph not in bundle.paths:
-            raise ValueError(f"decoder_graph={decoder_graph!r}: the bundle's decoder graphs are "
-                             f"{sorted(k for k in bundle.paths if k.startswith('decoder'))}")
+            raise ValueError(
+                f"decoder_graph={decoder_graph!r}: the bundle's decoder graphs are "
+                f"{sorted(k for k in bundle.paths if k.startswith('decoder'))}"
+            )
         self.decoder_graph = decoder_graph
         self._decoder = self._session(bundle.read_graph(decoder_graph), decoder_graph)
         self._encoder = self._session(bundle.read_graph("encoder"), "encoder") if bundle.is_encoder_decoder else None
-        kv = (n_slots, cfg.n_heads, cfg.max_len, cfg.head_dim)
-        self._self_kv = {n: SlotBuffer(kv, self._dtype, self._device)
-                         for i in range(self._n_layers) for n in (past_key(i), past_value(i))}
-        self._cross_kv: dict[str, SlotBuffer] = {}
-        if self._encoder is not None:
-            ckv = (n_slots, cfg.n_heads, self._max_src_len, cfg.head_dim)
-            self._cross_kv = {n: SlotBuffer(ckv, self._dtype, self._device)
-                              for i in range(self._n_layers) for n in (cross_key(i), cross_value(i))}
-            if self._device != "cpu":  # on the host, numpy places the encoder's outputs (encode)
-                self._place = self._session(slot_place_graph(list(self._cross_kv), elem), None)
-        self._src_len = np.zeros(n_slots, np.int64)  # 0 = no source encoded in this slot
-        # One-token steps: inputs and logits live in these rows (slot i's in row i), bound once per (start, n).
-        self._in_ids = np.zeros((n_slots, 1), np.int64)
-        self._in_len, self._in_pos = np.ones(n_slots, np.int64), np.zeros(n_slots, np.int64)
-        self._logits = np.zeros((n_slots, self._vocab), self._dtype)
-        self._bound: dict[tuple[int, int], ort.IOBinding] = {}
-        # Cross-attention reads every position of the cross buffers' source axis, masked or not: on the CPU that
-        # axis follows the longest source held (a multiple of CROSS_WIDTH_STEP), not max_src_len (160 positions
-        # for ~25-token sentences: 3.8 of a 9.8 ms step at batch 32 went to cross-attention, ORT profile).
-        self._adaptive_width = self._device == "cpu" and bool(self._cross_kv)
-        self._cross_width = self._max_src_len
-        if self._adaptive_width:
-            self._set_cross_width(min(self._max_src_len, CROSS_WIDTH_STEP), keep_rows=0)
-        self._copy = self._session(slot_copy_graph([*self._self_kv, *self._cross_kv], elem), None)
+        self._allocate_slots(elem)
 
     # ---- properties the engine reads (read-only) --------------------------------------------------------
     is_encoder_decoder = property(lambda self: self._encoder is not None)
@@ -134,45 +121,45 @@ class ModelRuntime:
     def encode(self, start: int, sources: list[list[int]]) -> None:
         """Run the encoder once on `sources` and store each one's cross keys/values and source length in
         slots start, start+1, ... ."""
-        if self._encoder is None:
+        encoder = self._encoder
+        if encoder is None:
             raise ValueError("encode() needs an encoder-decoder bundle; this one is a decoder-only LM")
         n = len(sources)
-        self._check_rows(start, n)
+        check_rows(start, n, self._n_slots)
         lens = np.array([len(s) for s in sources], np.int64)
-        if lens.min() < 1 or lens.max() > self._max_src_len:
-            raise ValueError(f"source lengths must be in [1, max_src_len={self._max_src_len}]; got "
-                             f"{int(lens.min())}..{int(lens.max())} tokens")
+        check_source_lengths(lens, self._max_src_len)
         if self._adaptive_width:
             self._src_len[start : start + n] = 0  # these rows are about to be overwritten: nothing to keep
             self._fit_cross_width(max(int(lens.max()), int(self._src_len.max())))
         ids = np.full((n, int(lens.max())), self.pad_id, np.int64)
         for i, s in enumerate(sources):
             ids[i, : len(s)] = s
-        io = self._encoder.io_binding()
+        io = encoder.io_binding()
         io.bind_cpu_input("src_ids", ids)
         io.bind_cpu_input("src_len", lens)
         if self._device == "cpu":  # into host arrays, then numpy copies into the slot rows: no placement graph
-            self._encode_on_host(io, start, n, ids.shape[1])
+            self._encode_on_host(encoder, io, start, n, ids.shape[1])
         else:
-            self._encode_on_device(io, start, n)
+            self._encode_on_device(encoder, io, start, n)
         self._src_len[start : start + n] = lens
 
-    def _encode_on_host(self, io: ort.IOBinding, start: int, n: int, width: int) -> None:
+    def _encode_on_host(self, encoder: ort.InferenceSession, io: ort.IOBinding, start: int, n: int, width: int) -> None:
         """(A batch-1 encode spent a quarter of its time binding and running the placement graph.)"""
-        out = {name: np.empty((n, buf.shape[1], width, buf.shape[3]), self._dtype)
-               for name, buf in self._cross_kv.items()}
+        out = {
+            name: np.empty((n, buf.shape[1], width, buf.shape[3]), self._dtype) for name, buf in self._cross_kv.items()
+        }
         for name, arr in out.items():
             io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        self._encoder.run_with_iobinding(io)
+        encoder.run_with_iobinding(io)
         for name, arr in out.items():
-            self._cross_kv[name].host[start : start + n, :, :width] = arr
+            self._cross_kv[name].host_array()[start : start + n, :, :width] = arr
 
-    def _encode_on_device(self, io: ort.IOBinding, start: int, n: int) -> None:
+    def _encode_on_device(self, encoder: ort.InferenceSession, io: ort.IOBinding, start: int, n: int) -> None:
         for name in self._cross_kv:
             io.bind_output(name, self._device)
-        self._encoder.run_with_iobinding(io)
+        encoder.run_with_iobinding(io)
         place = self._place.io_binding()
-        for name, out in zip(self._cross_kv, io.get_outputs()):
+        for name, out in zip(self._cross_kv, io.get_outputs(), strict=True):
             buf = self._cross_kv[name]
             buf.bind(place, name, start, n)
             buf.bind(place, f"out_{name}", start, n, output=True)
@@ -187,8 +174,9 @@ class ModelRuntime:
         if self._adaptive_width:
             self._fit_cross_width(int(self._src_len.max()))
 
-    def step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray,
-             copy: bool = True) -> np.ndarray:
+    def step(
+        self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray, copy: bool = True
+    ) -> np.ndarray:
         """One decoder step on slots [start, start+n): returns float32 logits (n, V) of each row's last real
         token; writes the new keys/values at write_pos[b] + i, in place.
 
@@ -197,12 +185,23 @@ class ModelRuntime:
         input_ids = np.ascontiguousarray(input_ids, np.int64)
         input_len = np.ascontiguousarray(input_len, np.int64)
         write_pos = np.ascontiguousarray(write_pos, np.int64)
-        self._check_step(start, input_ids, input_len, write_pos)
+        check_step(
+            start,
+            input_ids,
+            input_len,
+            write_pos,
+            self._n_slots,
+            self._max_len,
+            self._src_len if self._cross_kv else None,
+        )
         one = input_ids.shape[1] == 1
         if not one and self.decoder_graph == "decoder_cpu" and write_pos.any():
-            return np.concatenate([self._call(start + a, np.ascontiguousarray(input_ids[a:b, :width]),
-                                              input_len[a:b], write_pos[a:b])
-                                   for a, b, width in _gqa_runs(input_len, write_pos)])
+            return np.concatenate(
+                [
+                    self._call(start + a, np.ascontiguousarray(input_ids[a:b, :width]), input_len[a:b], write_pos[a:b])
+                    for a, b, width in _gqa_runs(input_len, write_pos)
+                ]
+            )
         logits = self._call(start, input_ids, input_len, write_pos)
         return logits.copy() if copy and one else logits  # only a one-token call hands out the runtime's rows
 
@@ -213,8 +212,9 @@ class ModelRuntime:
             return self._decode_one(start, input_ids, input_len, write_pos)
         return self._run_decoder(start, input_ids, input_len, write_pos)
 
-    def _decode_one(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
-                    write_pos: np.ndarray) -> np.ndarray:
+    def _decode_one(
+        self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray
+    ) -> np.ndarray:
         """A one-token step (every decode step, and a translation joiner's bos) through the IOBinding of rows
         [start, start+n), bound once: its cache rows by pointer, its inputs and logits to rows of the runtime's
         own arrays. A step copies n ids, lengths and positions in and runs: no binding calls, no allocation."""
@@ -231,12 +231,22 @@ class ModelRuntime:
 
     def _bind_rows(self, start: int, n: int) -> ort.IOBinding:
         io = self._decoder.io_binding()
-        for name, arr in (("input_ids", self._in_ids), ("input_len", self._in_len), ("write_pos", self._in_pos),
-                          *((("src_len", self._src_len),) if self._cross_kv else ())):
+        for name, arr in (
+            ("input_ids", self._in_ids),
+            ("input_len", self._in_len),
+            ("write_pos", self._in_pos),
+            *((("src_len", self._src_len),) if self._cross_kv else ()),
+        ):
             row = arr.strides[0]
             io.bind_input(name, "cpu", 0, arr.dtype, [n, *arr.shape[1:]], arr.ctypes.data + start * row)
-        io.bind_output("logits", "cpu", 0, self._logits.dtype, [n, self._vocab],
-                       self._logits.ctypes.data + start * self._logits.strides[0])
+        io.bind_output(
+            "logits",
+            "cpu",
+            0,
+            self._logits.dtype,
+            [n, self._vocab],
+            self._logits.ctypes.data + start * self._logits.strides[0],
+        )
         self._bind_caches(io, start, n)
         return io
 
@@ -249,8 +259,9 @@ class ModelRuntime:
         for name, buf in self._cross_kv.items():
             buf.bind(io, name, start, n)
 
-    def _run_decoder(self, start: int, input_ids: np.ndarray, input_len: np.ndarray,
-                     write_pos: np.ndarray) -> np.ndarray:
+    def _run_decoder(
+        self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray
+    ) -> np.ndarray:
         n = input_ids.shape[0]
         io = self._decoder.io_binding()
         io.bind_output("logits")  # on the host (ORT copies it off the device); first of get_outputs()
@@ -263,8 +274,10 @@ class ModelRuntime:
         self._decoder.run_with_iobinding(io)
         outs = io.get_outputs()
         if outs[1].data_ptr() != self._self_kv[past_key(0)].ptr(start):
-            raise RuntimeError("onnxruntime did not write the KV cache into the bound buffer; the cache "
-                               "update was lost (is the decoder graph's KV update in place?)")
+            raise RuntimeError(
+                "onnxruntime did not write the KV cache into the bound buffer; the cache "
+                "update was lost (is the decoder graph's KV update in place?)"
+            )
         return outs[0].numpy().astype(np.float32, copy=False)
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int], length: int | None = None) -> None:
@@ -274,22 +287,16 @@ class ModelRuntime:
         lengths); on the CPU the copy then moves those only (numpy on the host buffers; a compaction move at
         ~50 live of 256 positions is ~5x less memory traffic), elsewhere whole rows (the copy graph)."""
         src_a, dst_a = np.asarray(src, np.int64).reshape(-1), np.asarray(dst, np.int64).reshape(-1)
-        if src_a.shape != dst_a.shape:
-            raise ValueError(f"copy_slots: src has {src_a.size} slots, dst {dst_a.size}; they must match")
+        check_copy(src_a, dst_a, self._n_slots)
         if src_a.size == 0:
             return
-        for what, a in (("src", src_a), ("dst", dst_a)):
-            if a.min() < 0 or a.max() >= self._n_slots:
-                raise ValueError(f"copy_slots: {what} slots must be in [0, {self._n_slots}); got {a.tolist()}")
-        if len(set(dst_a.tolist())) != dst_a.size:
-            raise ValueError(f"copy_slots: dst slots must be distinct; got {dst_a.tolist()}")
         if length is not None and self._device == "cpu":
             live = slice(0, max(0, min(int(length), self.max_len)))
             src_max = int(self._src_len[src_a].max())
-            for buf in self._self_kv.values():
-                buf.host[dst_a, :, live] = buf.host[src_a, :, live]  # fancy-indexed source: a copy first
-            for buf in self._cross_kv.values():
-                buf.host[dst_a, :, :src_max] = buf.host[src_a, :, :src_max]
+            for host in (buf.host_array() for buf in self._self_kv.values()):
+                host[dst_a, :, live] = host[src_a, :, live]  # fancy-indexed source: a copy first
+            for host in (buf.host_array() for buf in self._cross_kv.values()):
+                host[dst_a, :, :src_max] = host[src_a, :, :src_max]
             self._src_len[dst_a] = self._src_len[src_a]
             return
         io = self._copy.io_binding()
@@ -316,6 +323,40 @@ class ModelRuntime:
         return [s.end_profiling() for s in self._sessions]
 
     # ---- internals ---------------------------------------------------------------------------------------
+    def _allocate_slots(self, elem: int) -> None:
+        """The KV-cache slot buffers, the one-token steps' input and logits rows, and the slot-copy session."""
+        cfg, n_slots = self.bundle.config, self._n_slots
+        kv = (n_slots, cfg.n_heads, cfg.max_len, cfg.head_dim)
+        self._self_kv = {
+            n: SlotBuffer(kv, self._dtype, self._device)
+            for i in range(self._n_layers)
+            for n in (past_key(i), past_value(i))
+        }
+        self._cross_kv: dict[str, SlotBuffer] = {}
+        if self._encoder is not None:
+            ckv = (n_slots, cfg.n_heads, self._max_src_len, cfg.head_dim)
+            self._cross_kv = {
+                n: SlotBuffer(ckv, self._dtype, self._device)
+                for i in range(self._n_layers)
+                for n in (cross_key(i), cross_value(i))
+            }
+            if self._device != "cpu":  # on the host, numpy places the encoder's outputs (encode)
+                self._place = self._session(slot_place_graph(list(self._cross_kv), elem), None)
+        self._src_len = np.zeros(n_slots, np.int64)  # 0 = no source encoded in this slot
+        # One-token steps: inputs and logits live in these rows (slot i's in row i), bound once per (start, n).
+        self._in_ids = np.zeros((n_slots, 1), np.int64)
+        self._in_len, self._in_pos = np.ones(n_slots, np.int64), np.zeros(n_slots, np.int64)
+        self._logits = np.zeros((n_slots, self._vocab), self._dtype)
+        self._bound: dict[tuple[int, int], ort.IOBinding] = {}
+        # Cross-attention reads every position of the cross buffers' source axis, masked or not: on the CPU that
+        # axis follows the longest source held (a multiple of CROSS_WIDTH_STEP), not max_src_len (160 positions
+        # for ~25-token sentences: 3.8 of a 9.8 ms step at batch 32 went to cross-attention, ORT profile).
+        self._adaptive_width = self._device == "cpu" and bool(self._cross_kv)
+        self._cross_width = self._max_src_len
+        if self._adaptive_width:
+            self._set_cross_width(min(self._max_src_len, CROSS_WIDTH_STEP), keep_rows=0)
+        self._copy = self._session(slot_copy_graph([*self._self_kv, *self._cross_kv], elem), None)
+
     def _fit_cross_width(self, need: int) -> None:
         """Widen the cross buffers' source axis at once when a source needs it; narrow it when the longest
         source held needs half of it or less (hysteresis: no back and forth at a boundary)."""
@@ -331,56 +372,14 @@ class ModelRuntime:
         self._bound.clear()  # their cross bindings have the old shape
 
     def _session(self, model: bytes, contract_name: str | None) -> ort.InferenceSession:
-        if self._provider == CPU_EP and contract_name is not None and int8_sums_can_overflow():
-            model = fit_int8_weights(model)  # 7-bit int8 weights where ORT's int8 sums would saturate (int8_fit.py)
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self._threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 3  # errors only: step() itself checks that the KV update stayed in place
-        if self._profile_prefix is not None:
-            so.enable_profiling = True
-            so.profile_file_prefix = f"{self._profile_prefix}{contract_name or 'helper'}"
-        sess = ort.InferenceSession(model, so, providers=self._providers())
-        if self._provider == CUDA_EP and CUDA_EP not in sess.get_providers():
-            raise RuntimeError(
-                "onnxruntime could not start its CUDA execution provider (the session has only "
-                f"{sess.get_providers()}): the CUDA or cuDNN libraries it needs are not loadable. "
-                "`python -m bench.gpu_check --device cuda --out DIR` lists what is found; provider 'cpu' serves "
-                "on the CPU meanwhile")
+        """A session of a bundle graph (`contract_name`: its name in the bundle) or of a helper graph (None)."""
+        profile = None if self._profile_prefix is None else f"{self._profile_prefix}{contract_name or 'helper'}"
+        fit_int8 = self._provider == CPU_EP and contract_name is not None
+        sess = open_session(model, self._provider, self._providers(), self._threads, profile, fit_int8)
         self._sessions.append(sess)
         if contract_name is not None:
-            def io(args) -> list:
-                return [(a.name, _ORT_TYPES.get(a.type, a.type), a.shape) for a in args]
-            check_graph_io(self.bundle.contracts[contract_name], io(sess.get_inputs()), io(sess.get_outputs()),
-                           str(self.bundle.paths[contract_name]))
+            check_session_io(sess, self.bundle.contracts[contract_name], str(self.bundle.paths[contract_name]))
         return sess
 
     def _providers(self) -> list:
-        if self._provider == CPU_EP:
-            return [CPU_EP]
-        # TF32 rounds fp32 matmul inputs to 10 mantissa bits: off for the fp32 (reference) variant
-        tf32 = "0" if self._dtype == np.float32 else "1"
-        return [(CUDA_EP, {"device_id": "0", "use_tf32": tf32}), CPU_EP]
-
-    def _check_rows(self, start: int, n: int) -> None:
-        if n < 1 or start < 0 or start + n > self._n_slots:
-            raise ValueError(f"slots [{start}, {start + n}) are outside [0, n_slots={self._n_slots}) or empty")
-
-    def _check_step(self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray) -> int:
-        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be (n, T) with T >= 1; got shape {input_ids.shape}")
-        n, t = input_ids.shape
-        self._check_rows(start, n)
-        if input_len.shape != (n,) or write_pos.shape != (n,):
-            raise ValueError(f"input_len and write_pos must have shape ({n},); got {input_len.shape} "
-                             f"and {write_pos.shape}")
-        if input_len.min() < 1 or input_len.max() > t:
-            raise ValueError(f"input_len must be in [1, T={t}]; got {input_len.tolist()}")
-        if write_pos.min() < 0 or write_pos.max() + t > self._max_len:
-            raise ValueError(f"write_pos + T must stay within the KV cache (max_len={self._max_len}); got "
-                             f"write_pos max {int(write_pos.max())} with T={t}")
-        if self._cross_kv and self._src_len[start : start + n].min() < 1:
-            empty = [start + i for i in np.flatnonzero(self._src_len[start : start + n] < 1)]
-            raise ValueError(f"slots {empty} hold no encoded source: call encode() before step()")
-        return n
+        return execution_providers(self._provider, self._dtype)

@@ -4,14 +4,14 @@ Pure logic, no tensors and no ONNX Runtime; tests/test_scheduler.py drives it al
 
 Owns:
 - admission bounds at submit time (waiting requests, waiting tokens) -> AdmissionRejected with a reason
-  and a Retry-After estimate from the recent completion rate;
+  and a Retry-After estimate from the recent completion rate; the admission order (priority, then arrival);
 - the slot layout. Live slots stay contiguous so the runtime binds them as views: decoding rows occupy
   slots [0, D), a request whose prompt is still being prefilled in chunks sits at slot D, joiners follow.
   When a request leaves, the last live decoding slot moves into its hole (one KV row copy each), and the
   chunked-prefill row, if any, moves down to the new D. Beam requests own several slots (not necessarily
   adjacent); each moves like any other;
 - the per-step token budget (continuous mode): D decode tokens, then prefill work for the row being
-  chunked and for joiners, FIFO, counted as rows x padded length (+ encoder tokens) so one step's compute
+  chunked and for joiners in admission order, counted as rows x padded length (+ encoder tokens) so one step's compute
   is bounded; a long decoder-only prompt is chunked to fit, the first joiner is never starved;
 - the three batching modes: CONTINUOUS (join at the next step, leave at once), REQUEST (gather up to
   max_batch_size or wait batch_wait_timeout_s, then run that static batch to its end: rows of finished
@@ -21,6 +21,7 @@ Owns:
 
 Does not own: tokens, sampling, events, the runtime (serving/engine/engine.py runs what the plan says).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,6 +32,8 @@ from typing import Any
 
 from serving.engine.config import BatchingKnobs
 from serving.engine.types import AdmissionRejected, BatchingMode, FinishReason
+
+BULK_QUEUE_SHARE = 0.5  # of max_waiting: the waiting places a request of priority above 0 may take
 
 
 class Phase(str, Enum):
@@ -44,6 +47,7 @@ class Phase(str, Enum):
 @dataclass(eq=False)
 class Sequence:
     """The scheduler's view of one request. `payload` is the engine's own per-request state."""
+
     request_id: str
     prefill_len: int  # decoder tokens to prefill (the prompt; [bos] for encoder-decoder)
     width: int = 1  # KV slots (beam size)
@@ -51,6 +55,7 @@ class Sequence:
     max_new_tokens: int = 1
     arrival: float = 0.0
     deadline: float | None = None
+    priority: int = 0  # lower first (GenerationRequest.priority)
     payload: Any = None
     phase: Phase = Phase.WAITING
     slots: list[int] = field(default_factory=list)
@@ -69,6 +74,7 @@ class Sequence:
 @dataclass(frozen=True)
 class Chunk:
     """Prefill work for one request in this step: decoder tokens [start, start + length) of its prompt."""
+
     seq: Sequence
     start: int
     length: int
@@ -82,6 +88,7 @@ class Chunk:
 class StepPlan:
     """What the engine runs next: slot moves first, then decode rows [0, decode_rows), then prefill rows
     [prefill_start, prefill_start + sum of widths) in chunk order (each chunk covers seq.width rows)."""
+
     moves: list[list[tuple[int, int]]] = field(default_factory=list)  # copy_slots batches, in order
     decode_rows: int = 0
     prefill_start: int = 0
@@ -106,16 +113,25 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def add(self, seqs: list[Sequence], now: float) -> None:
-        """Queue requests (all or none) or raise AdmissionRejected."""
+        """Queue requests (all or none) or raise AdmissionRejected. The queue is kept in admission order: by
+        priority (lower first), then arrival. A request of priority above 0 (bulk work) may fill only
+        BULK_QUEUE_SHARE of the waiting places, so that under overload the 429s fall on it first and the rest of
+        the queue stays for requests of priority 0 or below."""
         work = sum(s.work_tokens() for s in seqs)
+        bulk = any(s.priority > 0 for s in seqs)
+        places = int(self.knobs.max_waiting * BULK_QUEUE_SHARE) if bulk else self.knobs.max_waiting
         # Requests that free slots take at the next step do not really wait: they are not counted.
-        if len(self.waiting) + len(seqs) > self.knobs.max_waiting + self.n_slots - self.slots_used:
+        if len(self.waiting) + len(seqs) > places + self.n_slots - self.slots_used:
             raise AdmissionRejected("queue_full", self.retry_after(now, len(seqs)))
         if self.waiting and self._waiting_tokens + work > self.knobs.max_waiting_tokens:
             raise AdmissionRejected("queue_tokens", self.retry_after(now, len(seqs)))
         for s in seqs:
             s.arrival = now
-            self.waiting.append(s)
+            if self.waiting and self.waiting[-1].priority > s.priority:  # ahead of every less urgent one
+                at = next(i for i, w in enumerate(self.waiting) if w.priority > s.priority)
+                self.waiting.insert(at, s)
+            else:
+                self.waiting.append(s)
         self._waiting_tokens += work
 
     def retry_after(self, now: float, n: int = 1) -> float:
@@ -214,11 +230,14 @@ class Scheduler:
         partial = [s for s in self.running if s.phase == Phase.PREFILL]
         assert len(partial) <= 1 and all(x >= d for s in partial for x in s.slots), "layout invariant"
         holes = [i for i in range(d) if self.owner[i] is None]
-        tail = sorted((i for i in range(d, self.n_slots)
-                       if self.owner[i] is not None and self.owner[i].phase != Phase.PREFILL), reverse=True)
+        tail = sorted(
+            (i for i, s in enumerate(self.owner[d:], d) if s is not None and s.phase != Phase.PREFILL),
+            reverse=True,
+        )
         batches = []
         if holes:
-            batches.append(list(zip(tail, holes)))
+            # as many moves as the shorter list allows: the rest stay where they are
+            batches.append(list(zip(tail, holes, strict=False)))
             self._apply(batches[-1])
         if partial and partial[0].slots[0] != d:
             batches.append([(partial[0].slots[0], d)])
@@ -302,4 +321,3 @@ class Scheduler:
         if self.knobs.batching == BatchingMode.REQUEST and not self.running:
             times.append(self.waiting[0].arrival + self.knobs.batch_wait_timeout_s - now)
         return max(0.0, min(times)) if times else None
-

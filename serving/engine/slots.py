@@ -5,6 +5,7 @@ the CPU and CUDA EPs.
 
 TORCH-FREE (numpy + onnxruntime + onnx.helper). Does not own: which slot holds what (the engine), sessions.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,10 @@ def slot_copy_graph(names: list[str], elem: int) -> bytes:
     because every Gather runs before its ScatterND writes."""
     nodes, inputs, outputs = [helper.make_node("Unsqueeze", ["dst", "axis0"], ["dst2"])], [], []
     for j, n in enumerate(names):
-        nodes += [helper.make_node("Gather", [n, "src"], [f"rows_{j}"], axis=0),
-                  helper.make_node("ScatterND", [n, "dst2", f"rows_{j}"], [f"out_{n}"])]
+        nodes += [
+            helper.make_node("Gather", [n, "src"], [f"rows_{j}"], axis=0),
+            helper.make_node("ScatterND", [n, "dst2", f"rows_{j}"], [f"out_{n}"]),
+        ]
         inputs.append(helper.make_tensor_value_info(n, elem, None))
         outputs.append(helper.make_tensor_value_info(f"out_{n}", elem, None))
     inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, ["k"]) for k in ("src", "dst")]
@@ -35,8 +38,7 @@ def slot_place_graph(names: list[str], elem: int) -> bytes:
     nodes, inputs, outputs = [], [], []
     for n in names:
         nodes.append(helper.make_node("TensorScatter", [n, f"upd_{n}", "pos"], [f"out_{n}"], axis=2))
-        inputs += [helper.make_tensor_value_info(n, elem, None),
-                   helper.make_tensor_value_info(f"upd_{n}", elem, None)]
+        inputs += [helper.make_tensor_value_info(n, elem, None), helper.make_tensor_value_info(f"upd_{n}", elem, None)]
         outputs.append(helper.make_tensor_value_info(f"out_{n}", elem, None))
     inputs.append(helper.make_tensor_value_info("pos", TensorProto.INT64, ["n"]))
     graph = helper.make_graph(nodes, "kvserve_slot_place", inputs, outputs)
@@ -60,15 +62,21 @@ class SlotBuffer:
     def _shape(self, shape: tuple[int, ...]) -> None:
         self.shape = shape
         self.row_bytes = int(np.prod(shape[1:])) * np.dtype(self.dtype).itemsize
-        self.host = None if self._flat is None else self._flat[: int(np.prod(shape))].reshape(shape)
+        self.host: np.ndarray | None = None if self._flat is None else self._flat[: int(np.prod(shape))].reshape(shape)
+
+    def host_array(self) -> np.ndarray:
+        """`host`, where the caller runs on host buffers only (the CPU EP)."""
+        if self.host is None:
+            raise RuntimeError(f"this {self.device} buffer has no host array")
+        return self.host
 
     def set_width(self, width: int, keep_rows: int) -> None:
         """Lay rows [0, keep_rows) out again with `width` positions on axis 2 (host buffers only); each row keeps
         its first min(old, new) positions, the rest of it is stale data that its length masks."""
         keep = min(width, self.shape[2])
-        rows = self.host[:keep_rows, :, :keep].copy()
+        rows = self.host_array()[:keep_rows, :, :keep].copy()
         self._shape((self.shape[0], self.shape[1], width, *self.shape[3:]))
-        self.host[:keep_rows, :, :keep] = rows
+        self.host_array()[:keep_rows, :, :keep] = rows
 
     def ptr(self, start: int) -> int:
         return self.value.data_ptr() + start * self.row_bytes

@@ -3,6 +3,7 @@
 Shared by the engine (serving/engine*.py), the HTTP layer (serving/server/api.py, serving/server/app.py) and tests.
 Token ids only: tokenizing happens at the edge. No torch, no Ray, no FastAPI here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,6 +38,17 @@ class SamplingParams:
     length_penalty: float = 1.0  # beam score = logprob / len**length_penalty
     n_best: int = 1  # hypotheses returned by beam search (<= beam_size)
     ignore_eos: bool = False  # benchmarks: eos does not stop the request (it runs to max_new_tokens)
+    # Log-probabilities (of the model's distribution, before temperature, penalties and biases): None = off;
+    # k >= 0 = each token's own and the k most likely ids' (TokenEvent.logprob / top_logprobs).
+    logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from every id already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time an id was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to the logits
+    min_tokens: int = 0  # eos and the stop ids are banned until this many tokens were generated
+    no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice among the decoder's tokens
+    # Tokens the request emits first whatever the model prefers (teacher forcing), each with its log-probability
+    # when asked: a forced translation prefix, scoring a given text, a prompt's own log-probabilities.
+    forced_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -47,22 +59,32 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     deadline: float | None = None  # time.monotonic() after which the request finishes with DEADLINE
+    # Lower is served first (vLLM's convention; 0 by default): a waiting request is admitted before those of a
+    # higher number, and a request above 0 (bulk work) may fill only part of the waiting queue (scheduler.py).
+    priority: int = 0
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """One streamed item. `token_id` is None on the final event, which carries `finish_reason`."""
+
     request_id: str
     token_id: int | None
     finish_reason: FinishReason | None = None
     # On the final event of a beam-search request: the n-best hypotheses (token ids, score), best first.
     hypotheses: tuple[tuple[tuple[int, ...], float], ...] = ()
     error: str | None = None
+    # With SamplingParams.logprobs: the token's log-probability and the most likely ids' (best first). On a
+    # final event that a stop id ended, those of the stop id (`end_token`), which is not streamed as a token.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    end_token: int | None = None
 
 
 @dataclass(frozen=True)
 class RequestStats:
     """Per-request timings (seconds), emitted once when a request finishes, for the metrics layer."""
+
     request_id: str
     prompt_tokens: int
     generated_tokens: int
@@ -76,6 +98,7 @@ class RequestStats:
 @dataclass(frozen=True)
 class StepStats:
     """One engine step, for the metrics layer."""
+
     duration: float
     batch_size: int  # rows (slots) run in this step
     prefill_tokens: int

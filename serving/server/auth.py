@@ -17,6 +17,7 @@ token is ever logged or put in a response.
 Does not own: where the key comes from (serving/server/config.py), the 401 answer itself (its status, body and
 `WWW-Authenticate: Bearer` challenge: serving/server/errors.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,6 +37,8 @@ OPEN_PATHS = HEALTH_PATHS | {METRICS_PATH}  # the default: Prometheus scrapes wi
 def open_paths(metrics_require_key: bool) -> frozenset[str]:
     """The exact paths that need no key: the health probes, and /metrics unless it is put behind the key."""
     return HEALTH_PATHS if metrics_require_key else OPEN_PATHS
+
+
 UNAUTHORIZED = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
 
 

@@ -24,6 +24,7 @@ In the Serve config (deploy/serve_config.autoscale.yaml):
 
 Self-contained (standard library only) on purpose: Serve pickles this module by value into its controller.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,8 +38,10 @@ class EngineLoadPolicy:
 
     def __init__(self, target_utilization: float = 0.75) -> None:
         if not 0 < target_utilization <= 4:
-            raise ValueError(f"target_utilization={target_utilization} must be in (0, 4]: the share of a "
-                             f"replica's KV slots the load should fill (above 1: count waiting requests too)")
+            raise ValueError(
+                f"target_utilization={target_utilization} must be in (0, 4]: the share of a "
+                f"replica's KV slots the load should fill (above 1: count waiting requests too)"
+            )
         self.target_utilization = target_utilization
 
     def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:

@@ -14,10 +14,12 @@ served, the caller waits for the fresh one.
 Does not own: what is fetched, or keeping blocking work off the event loop (the fetch itself does that,
 e.g. with asyncio.to_thread).
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -30,36 +32,41 @@ class Cached(Generic[T]):
     """`await get()`: the value of `fetch()`, at most `ttl_s` old (up to `stale_s` old while a fresher one is
     being fetched), one fetch in flight at a time."""
 
-    def __init__(self, fetch: Callable[[], Awaitable[T]], ttl_s: float, stale_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        fetch: Callable[[], Awaitable[T]],
+        ttl_s: float,
+        stale_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if ttl_s < 0:
             raise ValueError(f"ttl_s={ttl_s} must be >= 0")
         self._fetch, self.ttl_s, self.stale_s, self._clock = fetch, ttl_s, stale_s, clock
-        self._value: T | None = None
-        self._at: float | None = None  # when the value was fetched (None: never)
+        self._held: tuple[float, T] | None = None  # (when it was fetched, the value); None: none to serve
         self._inflight: asyncio.Future[T] | None = None
         self.fetches = 0  # how many fetches started (for tests and logs)
 
     async def get(self) -> T:
-        age = None if self._at is None else self._clock() - self._at
-        if age is not None and age < self.ttl_s:
-            return self._value  # type: ignore[return-value]
+        held = self._held
+        age = math.inf if held is None else self._clock() - held[0]
+        if held is not None and age < self.ttl_s:
+            return held[1]
         if self._inflight is None:
             self.fetches += 1
             self._inflight = asyncio.ensure_future(self._refresh())
             self._inflight.add_done_callback(_retrieve)
-        if age is not None and age < self.stale_s:
-            return self._value  # type: ignore[return-value]
+        if held is not None and age < self.stale_s:
+            return held[1]
         return await asyncio.shield(self._inflight)
 
     def invalidate(self) -> None:
         """The next `get` fetches anew (a caller that knows the value changed)."""
-        self._at = None
+        self._held = None
 
     async def _refresh(self) -> T:
         try:
             value = await self._fetch()
-            self._value, self._at = value, self._clock()
+            self._held = (self._clock(), value)
             return value
         finally:
             self._inflight = None

@@ -9,10 +9,11 @@ arrives. The API's events stay one per token: a chunk of N tokens is N SSE event
 
 Does not own: what the items are (serving/server/service.py), how a chunk is rendered (stream.py).
 """
+
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -54,8 +55,9 @@ class _Pump(Generic[T]):
             pass
 
 
-async def coalesce(source: AsyncIterator[T], interval_s: float,
-                   is_final: Callable[[T], bool] = lambda item: False) -> AsyncIterator[list[T]]:
+async def coalesce(
+    source: AsyncIterator[T], interval_s: float, is_final: Callable[[T], bool] = lambda item: False
+) -> AsyncGenerator[list[T], None]:
     """The items of `source` in chunks: the first alone and at once, then at most one chunk per `interval_s`
     (what arrived meanwhile), a final item (`is_final`) without waiting. With `interval_s` 0 a chunk is what
     is ready when the consumer asks. An exception of the source is raised after the items before it.

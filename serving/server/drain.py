@@ -15,6 +15,7 @@ would queue in the proxy instead of getting their 503. `draining: false` resumes
 Does not own: the engine's own drain (serving/engine/engine.py `Engine.stop`), the 503 answer itself (its body and
 Retry-After: serving/server/errors.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

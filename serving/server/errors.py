@@ -17,12 +17,14 @@ Does not own: deciding that a request is wrong -- the schemas (serving/server/sc
 the engine's checks (serving/engine/checks.py) decide, and raise or call into this module. Streamed error
 events (serving/server/stream.py) use `error_body` too.
 """
+
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +43,7 @@ ECHO_CHARS = 120  # an invalid value is quoted in the error message up to this m
 
 class ErrorKind(str, Enum):
     """The error body's `type`; `STATUS` gives its HTTP status."""
+
     INVALID = "invalid_request"
     TOO_LARGE = "too_large"
     OVERLOADED = "overloaded"
@@ -54,8 +57,13 @@ class ErrorKind(str, Enum):
 
 STATUS: dict[ErrorKind, int] = {
     ErrorKind.INVALID: 422,  # 400 where the request could not even be read (`UNREADABLE`)
-    ErrorKind.TOO_LARGE: 413, ErrorKind.OVERLOADED: 429, ErrorKind.DEADLINE: 504, ErrorKind.UNAVAILABLE: 503,
-    ErrorKind.NOT_FOUND: 404, ErrorKind.UNAUTHORIZED: 401, ErrorKind.METHOD_NOT_ALLOWED: 405,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.OVERLOADED: 429,
+    ErrorKind.DEADLINE: 504,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.METHOD_NOT_ALLOWED: 405,
     ErrorKind.INTERNAL: 500,
 }
 UNREADABLE = 400  # an INVALID request whose body is not JSON or whose header is not UTF-8
@@ -66,8 +74,14 @@ RETRY_AFTER = frozenset({ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE})
 class ServiceError(Exception):
     """A request that cannot be answered normally; `kind` decides the HTTP status (`STATUS`)."""
 
-    def __init__(self, kind: ErrorKind, message: str, field: str | None = None,
-                 retry_after_s: float | None = None, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        field: str | None = None,
+        retry_after_s: float | None = None,
+        reason: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind, self.message, self.field = kind, message, field
         self.retry_after_s, self.reason = retry_after_s, reason
@@ -84,12 +98,24 @@ def _utf8_safe(text: str) -> str:
 
 def error_body(kind: ErrorKind | str, message: str, field: str | None = None) -> dict:
     kind = kind.value if isinstance(kind, ErrorKind) else kind
-    return {"error": {"type": kind, "message": _utf8_safe(message),
-                      "field": _utf8_safe(field) if field is not None else None}}
+    return {
+        "error": {
+            "type": kind,
+            "message": _utf8_safe(message),
+            "field": _utf8_safe(field) if field is not None else None,
+        }
+    }
 
 
-def error_response(kind: ErrorKind, message: str, field: str | None = None, *, status: int | None = None,
-                   retry_after_s: float | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    kind: ErrorKind,
+    message: str,
+    field: str | None = None,
+    *,
+    status: int | None = None,
+    retry_after_s: float | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     """The answer to an error of `kind` (an ASGI app: middleware awaits it with (scope, receive, send)).
     `status` overrides the table only for Starlette's own HTTP errors and `UNREADABLE`."""
     headers = dict(headers or {})
@@ -97,8 +123,7 @@ def error_response(kind: ErrorKind, message: str, field: str | None = None, *, s
         headers["Retry-After"] = str(max(1, round(retry_after_s or 1)))
     if kind == ErrorKind.UNAUTHORIZED:
         headers["WWW-Authenticate"] = "Bearer"  # RFC 9110 section 11.6.1: a 401 names the scheme
-    return JSONResponse(error_body(kind, message, field), status_code=status or STATUS[kind],
-                        headers=headers or None)
+    return JSONResponse(error_body(kind, message, field), status_code=status or STATUS[kind], headers=headers or None)
 
 
 def service_error_response(e: ServiceError) -> JSONResponse:
@@ -107,8 +132,10 @@ def service_error_response(e: ServiceError) -> JSONResponse:
 
 # -- engine errors ---------------------------------------------------------------------------------------------
 # The engine names GenerationRequest fields; the API names its own. Unlisted names are the same in both.
-_API_FIELDS: dict[str, str | None] = {"max_new_tokens": "max_tokens",
-                                      "request_id": None}  # set by the service, not by the client
+_API_FIELDS: dict[str, str | None] = {
+    "max_new_tokens": "max_tokens",
+    "request_id": None,
+}  # set by the service, not by the client
 
 
 def api_field(engine_field: str | None, text_field: str) -> str | None:
@@ -134,8 +161,13 @@ def from_engine(e: EngineError, model: str, text_field: str) -> ServiceError:
 
 
 # -- FastAPI's handlers --------------------------------------------------------------------------------------
-_HTTP_KINDS = {400: ErrorKind.INVALID, 401: ErrorKind.UNAUTHORIZED, 404: ErrorKind.NOT_FOUND,
-               405: ErrorKind.METHOD_NOT_ALLOWED, 413: ErrorKind.TOO_LARGE}
+_HTTP_KINDS = {
+    400: ErrorKind.INVALID,
+    401: ErrorKind.UNAUTHORIZED,
+    404: ErrorKind.NOT_FOUND,
+    405: ErrorKind.METHOD_NOT_ALLOWED,
+    413: ErrorKind.TOO_LARGE,
+}
 
 
 def install_error_handlers(app: FastAPI, recorder: Recorder) -> None:
@@ -166,8 +198,10 @@ def install_error_handlers(app: FastAPI, recorder: Recorder) -> None:
         return error_response(ErrorKind.INTERNAL, f"internal error: {type(e).__name__}")
 
 
-ROUTES_HINT = ("POST /v1/translate, POST /v1/generate, POST /v1/completions, GET /v1/models, "
-               "GET /v2/health/live, GET /v2/health/ready, GET /v2/models/{name}/ready, GET /metrics")
+ROUTES_HINT = (
+    "POST /v1/translate, POST /v1/generate, POST /v1/completions, GET /v1/models, "
+    "GET /v2/health/live, GET /v2/health/ready, GET /v2/models/{name}/ready, GET /metrics"
+)
 
 
 def _http_message(request: Request, e: StarletteHTTPException) -> str:
@@ -196,8 +230,11 @@ def _validation_message(e: RequestValidationError) -> tuple[str | None, str]:
     """(field, message) of the most telling validation error: the field path, what is wrong, the value
     (clipped). Of a union's errors, one about the value beats "should be a valid <type>"."""
     errors = e.errors()
-    err = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0]) if errors else {
-        "loc": (), "msg": "invalid request"}
+    err: dict[str, Any] = (
+        next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0])
+        if errors
+        else {"loc": (), "msg": "invalid request"}
+    )
     if err.get("type") == "json_invalid":  # loc is ("body", character offset)
         where = err.get("loc", ("body", "?"))[-1]
         detail = (err.get("ctx") or {}).get("error", "invalid JSON")

@@ -14,6 +14,7 @@ replica for a graceful shutdown.
 
 Does not own: the routes (api.py), the model replicas (replica.py), the app graph (app.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,22 +24,26 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serving.engine.types import AdmissionRejected
 from serving.engine.config import BatchingKnobs
-from serving.server.config import AppArgs, IngressKnobs, ModelSpec
-from serving.server.errors import ErrorKind, ServiceError
+from serving.engine.types import AdmissionRejected
+from serving.server import tracing
 from serving.server.api import create_app
-from serving.server.drain import Drain
 from serving.server.cached import Cached
+from serving.server.config import AppArgs, IngressKnobs, ModelSpec
+from serving.server.drain import Drain
+from serving.server.errors import ErrorKind, ServiceError
 from serving.server.local_model import LocalModel
 from serving.server.metrics import RayNodeScraper, Recorder, aggregate_exposition
+from serving.server.pool_routes import POOL_DEPLOYMENT, PoolRoutes
+from serving.server.ray_env import bind_replica_grpc_to_node
 from serving.server.readiness import ModelReadiness, probe_replicas, serve_replica_states
-from serving.server.service import StreamPiece, TextRequest, TextResult, is_result
+from serving.server.repository import Repository
+from serving.server.text_types import StreamPiece, TextRequest, TextResult, is_result
 from serving.server.versions import Router, ServedVersion
 
 log = logging.getLogger("ray.serve")
@@ -49,24 +54,43 @@ log = logging.getLogger("ray.serve")
 METRICS_TTL_S, METRICS_STALE_S, SCRAPE_SHARE = 1.0, 3.0, 0.2
 REPLICA_DEATH_RETRIES = 1  # a request whose replica died before answering is sent once more
 VERSIONS_TTL_S = 2.0  # a rolled-out version is listed (and can be named) within this long
+FAILED_RETRY_AFTER_S = 10.0  # a colocated model that could not be loaded here: until the replica is replaced
+MAX_POOL_REPLICAS = 64  # an unload asks at most this many pool replicas (it stops at the first that holds none)
 
 
 class RayBackend:
-    """serving.server.api.Backend over Serve deployment handles (one per deployment: models and canaries) and
+    """serving.server.backend.Backend over Serve deployment handles (one per deployment: models and canaries) and
     the models colocated in this replica (`local`, by the deployment name their routes use)."""
 
-    def __init__(self, handles: dict[str, DeploymentHandle], tasks: dict[str, str],
-                 routes: dict[str, list[tuple[str, float]]], app_name: str,
-                 local: dict[str, LocalModel] | None = None) -> None:
+    def __init__(
+        self,
+        handles: dict[str, DeploymentHandle],
+        tasks: dict[str, str],
+        routes: dict[str, list[tuple[str, float]]],
+        app_name: str,
+        local: dict[str, LocalModel] | None = None,
+        failed: dict[str, str] | None = None,
+        pool: PoolRoutes | None = None,
+    ) -> None:
+        """`failed`: deployment -> why a colocated model could not be loaded in this replica (it answers 503);
+        `pool`: the repository's models, served by the pool deployment (serving/server/pool_routes.py)."""
         self.handles, self.tasks, self.router, self.local = handles, tasks, Router(routes), dict(local or {})
-        self.readiness = ModelReadiness(list(handles), functools.partial(serve_replica_states, app_name),
-                                        lambda deployment: probe_replicas(self.handles[deployment]))
+        self.failed, self.pool = dict(failed or {}), pool
+        self.readiness = ModelReadiness(
+            list(handles),
+            functools.partial(serve_replica_states, app_name),
+            lambda deployment: probe_replicas(self.handles[deployment]),
+        )
         self._scraper = RayNodeScraper()
         self._metrics: Cached[str] = Cached(self._scrape, METRICS_TTL_S, METRICS_STALE_S)
         self._versions: Cached[list[ServedVersion]] = Cached(self._ask_versions, VERSIONS_TTL_S)
 
     def model_tasks(self) -> dict[str, str]:
-        return self.tasks
+        return {**self.tasks, **self.pool.tasks()} if self.pool else self.tasks
+
+    def not_found_hint(self) -> str:
+        """What a 404 for an unknown model adds: where the repository looks for bundles."""
+        return f" (the model repository reads {', '.join(map(str, self.pool.repository.roots))})" if self.pool else ""
 
     async def model_versions(self) -> list[ServedVersion]:
         return await self._versions.get()
@@ -75,35 +99,60 @@ class RayBackend:
         """Each deployment's version, from one of its replicas (during a rollout: whichever answers)."""
         asked = [(m, d, w) for m, choices in self.router.routes.items() for d, w in choices]
         infos = await asyncio.gather(*(self._info(d) for _, d, _ in asked), return_exceptions=True)
-        return [ServedVersion(m, d, info["version"], info["created"], w)
-                for (m, d, w), info in zip(asked, infos) if isinstance(info, dict)]
+        return [
+            ServedVersion(m, d, info["version"], info["created"], w)
+            for (m, d, w), info in zip(asked, infos, strict=True)
+            if isinstance(info, dict)
+        ] + (self.pool.versions() if self.pool else [])
 
     async def _info(self, deployment: str) -> dict:
         if deployment in self.local:
             return self.local[deployment].info()
         return await self.handles[deployment].info.remote()
 
-    async def _deployment(self, model: str, req: TextRequest) -> str:
-        if req.version is None:
+    async def _deployment(self, model: str, version: str | None) -> str:
+        """The deployment to send a request for `model` (pinned to `version` if not None) to."""
+        if self.pool is not None and self.pool.serves(model):
+            self.pool.check_version(model, version)
+            return POOL_DEPLOYMENT
+        deployment = await self._route(model, version)
+        if deployment in self.failed:
+            raise ServiceError(
+                ErrorKind.UNAVAILABLE,
+                f"model {model!r} could not be loaded "
+                f"({self.failed[deployment]}); the server's other models are served",
+                retry_after_s=FAILED_RETRY_AFTER_S,
+            )
+        return deployment
+
+    async def _route(self, model: str, version: str | None) -> str:
+        if version is None:
             return self.router.pick(model)
-        deployment = self.router.serving(model, req.version, await self.model_versions())
+        deployment = self.router.serving(model, version, await self.model_versions())
         if deployment is None:  # maybe just rolled out: ask again once
             self._versions.invalidate()
-            deployment = self.router.serving(model, req.version, await self.model_versions())
+            deployment = self.router.serving(model, version, await self.model_versions())
         if deployment is None:
             served = sorted(s.version for s in await self.model_versions() if s.model == model)
-            raise ServiceError(ErrorKind.NOT_FOUND, f"model {model}@{req.version[:40]} is not served; versions of "
-                               f"{model} served now: {served}", field="model")
+            raise ServiceError(
+                ErrorKind.NOT_FOUND,
+                f"model {model}@{version[:40]} is not served; versions of {model} served now: {served}",
+                field="model",
+            )
         return deployment
 
     async def complete(self, model: str, req: TextRequest) -> TextResult:
         """The model's answer. A replica that dies before answering costs nothing but time: the request is sent
         once more (Serve's router no longer picks a dead replica), with the same seed, so the same output."""
-        deployment = await self._deployment(model, req)
+        deployment = await self._deployment(model, req.version)
         if deployment in self.local:
             return await self.local[deployment].complete(req)
+        with tracing.span(f"replica {deployment}"):  # the hop to the model's replica, its retry included
+            return await self._complete_remote(model, tracing.carried(req), deployment)
+
+    async def _complete_remote(self, model: str, req: TextRequest, deployment: str) -> TextResult:
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
-            response, handle = None, self.handles[deployment]
+            response, handle = None, self._handle(deployment, model)
             try:
                 response = handle.complete.remote(req)
                 result = await response
@@ -114,7 +163,7 @@ class RayBackend:
             except Exception as e:
                 if attempt < REPLICA_DEATH_RETRIES and _replica_died(e):
                     log.warning("model %s: the replica died before answering; sending the request again", model)
-                    deployment = await self._deployment(model, req)  # a canary's replica may be gone for good
+                    deployment = await self._deployment(model, req.version)  # a canary may be gone for good
                     if deployment in self.local:
                         return await self.local[deployment].complete(req)
                     continue
@@ -127,16 +176,17 @@ class RayBackend:
     async def stream(self, model: str, req: TextRequest) -> AsyncIterator[list[StreamPiece | TextResult]]:
         """The model's stream in chunks. A replica that dies before the first chunk is retried like `complete`;
         after it, the client has text already, and the stream ends with a retryable error."""
-        deployment = await self._deployment(model, req)
+        deployment = await self._deployment(model, req.version)
         if deployment in self.local:
             async with contextlib.aclosing(self.local[deployment].stream(req, across_processes=False)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             return
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
-            gen, started, finished, handle = None, False, False, self.handles[deployment]
+            gen, started, finished, handle = None, False, False, self._handle(deployment, model)
             try:
-                gen = handle.options(stream=True).stream.remote(req)
+                # with stream=True the call answers a generator of chunks
+                gen = cast(DeploymentResponseGenerator, handle.options(stream=True).stream.remote(req))
                 async for chunk in gen:
                     if isinstance(chunk, ServiceError):
                         raise chunk
@@ -155,10 +205,37 @@ class RayBackend:
                 if gen is not None and not finished:  # client gone or error: cancel the model's request
                     _cancel_quietly(gen)
 
+    def _handle(self, deployment: str, model: str) -> Any:
+        """The deployment's handle; the pool's names the model (Serve routes to a replica that holds it)."""
+        if deployment == POOL_DEPLOYMENT and self.pool is not None:
+            return self.pool.handle_for(model)
+        return self.handles[deployment]
+
+    async def tokenize(self, model: str, text: str, add_special_tokens: bool) -> dict:
+        return await self._tokenizer_call(model, "tokenize", text, add_special_tokens)
+
+    async def detokenize(self, model: str, ids: list[int]) -> str:
+        return await self._tokenizer_call(model, "detokenize", ids)
+
+    async def _tokenizer_call(self, model: str, method: str, *args: Any) -> Any:
+        """ModelService.<method>(*args) of the model, here (colocated) or on one of its replicas."""
+        deployment = await self._deployment(model, None)
+        if deployment in self.local:
+            return getattr(self.local[deployment].service, method)(*args)
+        result = await getattr(self._handle(deployment, model), method).remote(*args)
+        if isinstance(result, ServiceError):
+            raise result
+        return result
+
     async def models_ready(self) -> dict[str, bool]:
         """A model is ready while each of its deployments (stable and canary) has a replica that can serve."""
-        ready = {**await self.readiness.models_ready(), **{d: m.ready() for d, m in self.local.items()}}
-        return {m: all(ready.get(d, False) for d in self.router.deployments(m)) for m in self.tasks}
+        ready = {
+            **await self.readiness.models_ready(),
+            **{d: m.ready() for d, m in self.local.items()},
+            **{d: False for d in self.failed},
+        }
+        pooled = dict.fromkeys(self.pool.tasks(), ready.get(POOL_DEPLOYMENT, False)) if self.pool else {}
+        return {**pooled, **{m: all(ready.get(d, False) for d in self.router.deployments(m)) for m in self.tasks}}
 
     async def metrics_text(self) -> str:
         return await self._metrics.get()
@@ -193,14 +270,22 @@ def _as_service_error(e: BaseException) -> BaseException:
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
     if _replica_died(e):
-        return ServiceError(ErrorKind.UNAVAILABLE, "the model replica serving this request failed and is being "
-                            "restarted; retry the request", retry_after_s=1.0, reason="replica_failed")
+        return ServiceError(
+            ErrorKind.UNAVAILABLE,
+            "the model replica serving this request failed and is being restarted; retry the request",
+            retry_after_s=1.0,
+            reason="replica_failed",
+        )
     inner = getattr(e, "cause", None) or e  # Ray wraps a replica's exception in a RayTaskError
     if isinstance(inner, ServiceError):
         return inner
     if isinstance(inner, BackPressureError):
-        return ServiceError(ErrorKind.OVERLOADED, f"server overloaded (deployment queue full): {inner.message}",
-                            retry_after_s=inner.retry_after_s or 1.0, reason="deployment_queue_full")
+        return ServiceError(
+            ErrorKind.OVERLOADED,
+            f"server overloaded (deployment queue full): {inner.message}",
+            retry_after_s=inner.retry_after_s or 1.0,
+            reason="deployment_queue_full",
+        )
     if isinstance(inner, DeploymentUnavailableError):
         return ServiceError(ErrorKind.UNAVAILABLE, f"model unavailable: {inner.message}")
     if isinstance(inner, AdmissionRejected):  # not expected: the service converts it
@@ -215,22 +300,60 @@ def _utilization(stats: dict[str, float]) -> float:
 @serve.deployment
 @serve.ingress()
 class Ingress:
-    async def __init__(self, args: dict, tasks: dict[str, str], routes: dict[str, list[tuple[str, float]]],
-                       local: dict[str, tuple[dict, str]], **handles: DeploymentHandle) -> None:
+    # Serve awaits an async constructor; to mypy an `async def __init__` returns a coroutine, not None
+    async def __init__(  # type: ignore[misc]
+        self,
+        args: dict,
+        tasks: dict[str, str],
+        routes: dict[str, list[tuple[str, float]]],
+        local: dict[str, tuple[dict, str]],
+        **handles: DeploymentHandle,
+    ) -> None:
         """`local`: deployment name -> (ModelSpec, bundle dir) of each colocated model, loaded here."""
+        bind_replica_grpc_to_node()
+        tracing.configure()  # on when an OTLP endpoint is configured (serving/server/tracing.py)
         self.args, self.tasks, self.routes, self.handles = AppArgs.model_validate(args), tasks, routes, handles
         self.drain = Drain()
         self.app_name = serve.get_replica_context().app_name  # whose replicas readiness counts
         self.recorder = Recorder("ray")
         self.local: dict[str, LocalModel] = {}
+        self.failed: dict[str, str] = {}
         for deployment, (spec, bundle_dir) in local.items():
-            self.local[deployment] = await LocalModel.load(ModelSpec.model_validate(spec), bundle_dir,
-                                                           self.args.limits, BatchingKnobs(), self.recorder)
+            try:
+                self.local[deployment] = await LocalModel.load(
+                    ModelSpec.model_validate(spec),
+                    bundle_dir,
+                    self.args.limits,
+                    BatchingKnobs(),
+                    self.recorder,
+                    deployment=deployment,
+                )
+            except Exception as e:  # one model that cannot load (a damaged bundle, no memory) must not take the
+                if not handles and len(self.failed) + 1 == len(local):  # others down; with none left, fail
+                    raise
+                log.error(
+                    "model deployment %s could not be loaded from %s; serving the others: %r", deployment, bundle_dir, e
+                )
+                self.failed[deployment] = f"{type(e).__name__}: {e}"[:300]
 
     def __serve_build_asgi_app__(self) -> Any:
-        backend = RayBackend(self.handles, self.tasks, self.routes, self.app_name, self.local)
-        return create_app(backend, self.args.limits, self.recorder, self.args.resolved_api_key(), self.drain,
-                          self.args.metrics_require_key)
+        repo, pool = self.args.repository, None
+        if repo is not None and POOL_DEPLOYMENT in self.handles:
+            pool = PoolRoutes(
+                Repository(repo.paths, repo.rescan_s),
+                self.handles[POOL_DEPLOYMENT],
+                set(self.tasks),
+                replicas=MAX_POOL_REPLICAS,
+            )
+        backend = RayBackend(self.handles, self.tasks, self.routes, self.app_name, self.local, self.failed, pool)
+        return create_app(
+            backend,
+            self.args.limits,
+            self.recorder,
+            self.args.resolved_api_key(),
+            self.drain,
+            self.args.metrics_require_key,
+        )
 
     async def reconfigure(self, user_config: dict) -> None:
         """`draining: true` refuses new API requests from now on (serving/server/drain.py); false resumes.
@@ -264,5 +387,4 @@ class Ingress:
     async def drain_status(self) -> dict:
         """This replica's phase, requests in flight and process id (serving/server/launch.py `drain` polls every
         replica)."""
-        return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": os.getpid(),
-                **self.drain.status()}
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "pid": os.getpid(), **self.drain.status()}

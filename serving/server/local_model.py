@@ -13,12 +13,13 @@ so a request and each streamed token cross no process boundary between them).
 
 Does not own: HTTP, Ray, the text <-> token work (service.py).
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from export.bundle import load_bundle
@@ -28,7 +29,9 @@ from serving.engine.types import GenerationRequest, SamplingParams
 from serving.server.chunks import coalesce
 from serving.server.config import Limits, ModelSpec, engine_config
 from serving.server.metrics import Recorder
-from serving.server.service import ModelService, StreamPiece, TextRequest, TextResult, is_result
+from serving.server.response_cache import ResponseCache
+from serving.server.service import ModelService
+from serving.server.text_types import StreamPiece, TextRequest, TextResult, is_result
 
 log = logging.getLogger("ray.serve")
 ENGINE_LOAD_KEYS = ("running", "waiting", "slots_total")  # the engine snapshot's keys the autoscaler reads
@@ -38,32 +41,62 @@ GAUGE_PERIOD_S = 0.25  # an idle engine's gauges (slots in use) reach /metrics w
 class LocalModel:
     """A model's engine and service in this process; build it with `await LocalModel.load(...)`."""
 
-    def __init__(self, spec: ModelSpec, limits: Limits, live: BatchingKnobs, engine: Engine,
-                 service: ModelService, version: str, created: int) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        limits: Limits,
+        live: BatchingKnobs,
+        engine: Engine,
+        service: ModelService,
+        version: str,
+        created: int,
+    ) -> None:
         self.spec, self.limits, self.live = spec, limits, live
         self.engine, self.service, self.version, self.created = engine, service, version, created
+        self.cache = (
+            ResponseCache(spec.response_cache_entries, spec.response_cache_bytes, service.recorder, service.labels)
+            if spec.response_cache_entries
+            else None
+        )
         self._gauges = asyncio.get_running_loop().create_task(self._poll_gauges())
 
     @classmethod
-    async def load(cls, spec: ModelSpec, bundle_dir: str, limits: Limits, live: BatchingKnobs,
-                   recorder: Recorder) -> "LocalModel":
-        bundle = load_bundle(bundle_dir)
+    async def load(
+        cls,
+        spec: ModelSpec,
+        bundle_dir: str,
+        limits: Limits,
+        live: BatchingKnobs,
+        recorder: Recorder | None,
+        deployment: str | None = None,
+    ) -> LocalModel:
+        """`deployment`: whose bundle this is (the model's, or its canary's), for the config's pinned hash."""
+        bundle = load_bundle(bundle_dir, spec.bundle_pin(deployment or spec.name))
         engine = await asyncio.to_thread(Engine.from_bundle, bundle_dir, engine_config(spec, live, limits))
         await engine.start()
         tokenizer = bundle.load_tokenizer()
-        service = ModelService(spec.name, engine, tokenizer, limits.max_prompt_tokens, recorder,
-                               version=bundle.version)
+        service = ModelService(spec.name, engine, tokenizer, limits.max_prompt_tokens, recorder, version=bundle.version)
         await _warm_up(engine, tokenizer)
         model = cls(spec, limits, live, engine, service, bundle.version, bundle.created)
-        log.info("model %s version %s ready: bundle %s, task %s, %s", spec.name, bundle.version, bundle_dir,
-                 bundle.task, engine.snapshot())
+        log.info(
+            "model %s version %s ready: bundle %s, task %s, %s",
+            spec.name,
+            bundle.version,
+            bundle_dir,
+            bundle.task,
+            engine.snapshot(),
+        )
         return model
 
     # -- requests -------------------------------------------------------------------------------------
     async def complete(self, req: TextRequest) -> TextResult:
+        if self.cache is not None:
+            return await self.cache.complete(req, self.service.complete)
         return await self.service.complete(req)
 
-    def stream(self, req: TextRequest, across_processes: bool = True) -> AsyncIterator[list[StreamPiece | TextResult]]:
+    def stream(
+        self, req: TextRequest, across_processes: bool = True
+    ) -> AsyncGenerator[list[StreamPiece | TextResult], None]:
         """The request's pieces in chunks, the TextResult last. Across a process boundary (a model deployment's
         replica) a chunk is what is ready, or what `stream_interval_s` gathered (serving/server/chunks.py);
         in the same process as the API (colocated, interval 0) each piece goes on as it comes: no queue and no
@@ -83,10 +116,16 @@ class LocalModel:
         return not snap.get("dead") and snap.get("accepting", True)
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.spec.name, "task": self.service.task, "pid": os.getpid(),
-                "version": self.version, "created": self.created, "live": self.live.model_dump(mode="json"),
-                "provider": getattr(getattr(self.engine, "runtime", None), "provider", None),  # its ORT EP
-                "engine": self.engine.snapshot()}
+        return {
+            "name": self.spec.name,
+            "task": self.service.task,
+            "pid": os.getpid(),
+            "version": self.version,
+            "created": self.created,
+            "live": self.live.model_dump(mode="json"),
+            "provider": getattr(getattr(self.engine, "runtime", None), "provider", None),  # its ORT EP
+            "engine": self.engine.snapshot(),
+        }
 
     def load_stats(self) -> dict[str, float]:
         """The engine's load, for Serve's autoscaler (a custom policy reads it: serving/server/autoscale.py)."""
@@ -96,8 +135,9 @@ class LocalModel:
     def check_health(self) -> None:
         snap = self.engine.snapshot()
         if snap.get("dead"):
-            raise RuntimeError(f"model {self.spec.name}: the engine is dead ({snap.get('dead_reason')}); "
-                               f"Serve replaces this replica")
+            raise RuntimeError(
+                f"model {self.spec.name}: the engine is dead ({snap.get('dead_reason')}); Serve replaces this replica"
+            )
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Requests in flight finish (up to `drain_timeout_s`), then the engine stops."""
@@ -110,7 +150,9 @@ class LocalModel:
             await asyncio.sleep(GAUGE_PERIOD_S)
 
 
-async def _one_by_one(items: AsyncIterator[StreamPiece | TextResult]) -> AsyncIterator[list[StreamPiece | TextResult]]:
+async def _one_by_one(
+    items: AsyncGenerator[StreamPiece | TextResult, None],
+) -> AsyncGenerator[list[StreamPiece | TextResult], None]:
     """Each item as a chunk of one; closing this closes `items` (the engine request is cancelled)."""
     try:
         async for item in items:

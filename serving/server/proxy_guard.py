@@ -10,6 +10,7 @@ Installed through Ray's hook: the environment variable `RAY_SERVE_HTTP_PROXY_CAL
 `PROXY_CALLBACK` in the environment Ray starts in (`serving/server/launch.py` sets it before `ray.init`; in
 Kubernetes it belongs in the Ray containers' env). Owns nothing else: no auth, no limits (serving/server/api.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,8 +56,12 @@ def _is_utf8(value: bytes) -> bool:
 
 
 def _bad_header(name: str) -> Callable:
-    return error_response(ErrorKind.INVALID, f"header {name} is not valid UTF-8; send ASCII or UTF-8 text, or "
-                          "leave it out", name, status=UNREADABLE)
+    return error_response(
+        ErrorKind.INVALID,
+        f"header {name} is not valid UTF-8; send ASCII or UTF-8 text, or leave it out",
+        name,
+        status=UNREADABLE,
+    )
 
 
 def middlewares() -> list[Middleware]:

@@ -2,10 +2,10 @@
 
 A model is ready while at least one of its replicas is RUNNING in Serve's status: started and warmed up,
 passing its health checks (serving/server/replica.py `check_health` fails once the engine is dead: steps that
-keep failing, or one that runs past `step_timeout_s`), and not shutting down. Readiness used to ask one
-replica of each model, picked by Serve's router, through the deployment handle: one dead or draining replica
-could fail the probe of every pod at once, and every pod left the Service together. Counting replicas
-cannot: one failed replica of two leaves the model ready.
+keep failing, or one that runs past `step_timeout_s`), and not shutting down. Replicas are counted rather
+than asked through the deployment handle: asking one replica picked by Serve's router lets one dead or
+draining replica fail the probe of every pod at once, while one failed replica of two leaves the count at one.
+The server as a whole (`/v2/health/ready`, serving/server/api.py) is ready while some model is.
 
 Serve's status comes from its controller by a blocking call, so it runs in a worker thread, and the answer
 is shared by every probe for `READY_TTL_S` (serving/server/cached.py): probes at any rate cost one controller
@@ -15,6 +15,7 @@ fails, Serve's router drops that replica, and the next try reaches another one.
 
 Does not own: the HTTP answers (serving/server/api.py), a replica's own health (replica.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,10 @@ def serve_replica_states(app: str) -> dict[str, dict[str, int]]:
     status = serve.status().applications.get(app)
     if status is None:
         raise LookupError(f"Serve's status has no application {app!r}")
-    return {name: {getattr(state, "value", str(state)): int(n) for state, n in d.replica_states.items()}
-            for name, d in status.deployments.items()}
+    return {
+        name: {getattr(state, "value", str(state)): int(n) for state, n in d.replica_states.items()}
+        for name, d in status.deployments.items()
+    }
 
 
 async def probe_replicas(handle: Any, tries: int = PROBE_TRIES, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -56,8 +59,13 @@ async def probe_replicas(handle: Any, tries: int = PROBE_TRIES, timeout_s: float
 class ModelReadiness:
     """`models_ready()`: model -> whether at least one replica can serve it, at most `ttl_s` old."""
 
-    def __init__(self, models: list[str], states: Callable[[], dict[str, dict[str, int]]],
-                 probe: Callable[[str], Awaitable[bool]], ttl_s: float = READY_TTL_S) -> None:
+    def __init__(
+        self,
+        models: list[str],
+        states: Callable[[], dict[str, dict[str, int]]],
+        probe: Callable[[str], Awaitable[bool]],
+        ttl_s: float = READY_TTL_S,
+    ) -> None:
         self.models = list(models)
         self._states, self._probe = states, probe
         self._cached: Cached[dict[str, bool]] = Cached(self._fetch, ttl_s)
@@ -70,5 +78,5 @@ class ModelReadiness:
             states = await asyncio.to_thread(self._states)
         except Exception as e:
             log.warning("Serve's replica states are unavailable (%r); asking the replicas instead", e)
-            return dict(zip(self.models, await asyncio.gather(*(self._probe(m) for m in self.models))))
+            return dict(zip(self.models, await asyncio.gather(*(self._probe(m) for m in self.models)), strict=True))
         return {m: states.get(m, {}).get(RUNNING, 0) > 0 for m in self.models}

@@ -10,6 +10,7 @@ A `colocated` model has no such deployment: the ingress replica holds its LocalM
 
 Does not own: HTTP (serving/server/ingress.py, api.py), the engine, the text <-> token work (service.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -17,18 +18,29 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from serving.engine.config import BatchingKnobs
+from serving.server import tracing
 from serving.server.config import Limits, ModelSpec
 from serving.server.errors import ServiceError
 from serving.server.local_model import LocalModel
 from serving.server.metrics import Recorder
-from serving.server.service import StreamPiece, TextRequest, TextResult
+from serving.server.ray_env import bind_replica_grpc_to_node
+from serving.server.text_types import StreamPiece, TextRequest, TextResult
 
 
 @serve.deployment
 class ModelDeployment:
-    async def __init__(self, spec: dict, bundle_dir: str, limits: dict) -> None:
-        self.model = await LocalModel.load(ModelSpec.model_validate(spec), bundle_dir,
-                                           Limits.model_validate(limits), BatchingKnobs(), Recorder("ray"))
+    # Serve awaits an async constructor; to mypy an `async def __init__` returns a coroutine, not None
+    async def __init__(self, spec: dict, bundle_dir: str, limits: dict) -> None:  # type: ignore[misc]
+        bind_replica_grpc_to_node()
+        tracing.configure()  # on when an OTLP endpoint is configured (serving/server/tracing.py)
+        self.model = await LocalModel.load(
+            ModelSpec.model_validate(spec),
+            bundle_dir,
+            Limits.model_validate(limits),
+            BatchingKnobs(),
+            Recorder("ray"),
+            deployment=serve.get_replica_context().deployment,
+        )
         self.engine = self.model.engine
 
     async def reconfigure(self, user_config: dict) -> None:
@@ -50,6 +62,15 @@ class ModelDeployment:
                 yield chunk
         except ServiceError as e:
             yield e
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> dict | ServiceError:
+        return self.model.service.tokenize(text, add_special_tokens)
+
+    async def detokenize(self, ids: list[int]) -> str | ServiceError:
+        try:
+            return self.model.service.detokenize(ids)
+        except ServiceError as e:
+            return e
 
     async def ready(self) -> bool:
         return self.model.ready()

@@ -5,85 +5,62 @@ through `IncrementalDecoder`, stop strings (held back while they might still mat
 cancelled the moment one appears), n-best decoding of beam hypotheses, usage and timings, per-request
 metrics from the engine's observers.
 
-Does not own: errors (serving/server/errors.py owns `ServiceError`, turns engine errors into one with the API's
-field names, and maps its `ErrorKind` to an HTTP status), Ray (serving/server/replica.py wraps
-this class in a deployment), or scheduling and batching (serving/engine/).
-Everything that crosses a process boundary here (`TextRequest`, `TextResult`, `StreamPiece`,
-`ServiceError`) pickles.
+Does not own: errors (serving/server/errors.py owns `ServiceError`, turns engine errors into one with the API's field
+names, and maps its `ErrorKind` to an HTTP status), Ray (serving/server/replica.py wraps this class in a deployment), or
+scheduling and batching (serving/engine/). Everything that crosses a process boundary here (`TextRequest`, `TextResult`,
+`StreamPiece`: serving/server/text_types.py, importable from here too; `ServiceError`) pickles.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from model.tokenizer import IncrementalDecoder, Tokenizer
+from serving.engine.types import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    RequestStats,
+    SamplingParams,
+    StepStats,
+    TokenEvent,
+)
+from serving.server import tracing
 from serving.server.errors import ErrorKind, ServiceError, from_engine
 from serving.server.metrics import Recorder
 from serving.server.stops import StopMatcher
-from serving.engine.types import (EngineError, FinishReason, GenerationRequest, RequestStats, SamplingParams,
-                                  StepStats, TokenEvent)
-
-
-@dataclass(frozen=True)
-class TextRequest:
-    text: str
-    params: SamplingParams
-    deadline_wall: float  # time.time() after which the request fails with 504 (wall clock: crosses processes)
-    field: str = "prompt"  # the request field that holds `text`, for error messages
-    request_id: str = ""
-    version: str | None = None  # the model version the client named (`model@version`); None: any
-
-
-@dataclass(frozen=True)
-class TextResult:
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    queue_s: float | None
-    ttft_s: float | None
-    total_s: float
-    n_best: tuple[tuple[str, float], ...] = ()
-    version: str = ""  # the version of the model that answered (its bundle's)
-
-
-@dataclass(frozen=True)
-class StreamPiece:
-    """One streamed piece of text: the text released after token `index` (may be '' while held back).
-    The first piece of a stream names the model version that answers (the X-Model-Version header)."""
-    text: str
-    index: int
-    version: str = ""
-
-
-def answering_version(item: object) -> str:
-    """The model version a streamed item names ('' for pieces after the first)."""
-    return getattr(item, "version", "")
-
-
-def is_result(item: object) -> bool:
-    """Whether a streamed item is the request's last one (its TextResult)."""
-    return isinstance(item, TextResult)
+from serving.server.text_types import StreamPiece, TextRequest, TextResult, TokenLogprob
+from serving.server.text_types import answering_version as answering_version  # re-exported
+from serving.server.text_types import is_result as is_result  # re-exported
 
 
 class EngineLike(Protocol):
     is_encoder_decoder: bool
 
     def submit(self, req: GenerationRequest) -> Any: ...
-    def add_observer(self, on_step: Callable[[StepStats], None] | None,
-                     on_request: Callable[[RequestStats], None] | None) -> None: ...
+    def add_observer(
+        self, on_step: Callable[[StepStats], None] | None, on_request: Callable[[RequestStats], None] | None
+    ) -> None: ...
     def snapshot(self) -> dict: ...
 
 
 class ModelService:
     """Serves one model: `complete` (whole answer) and `stream` (pieces, then the TextResult)."""
 
-    def __init__(self, name: str, engine: EngineLike, tokenizer: Tokenizer, max_prompt_tokens: int,
-                 recorder: Recorder | None = None, version: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: EngineLike,
+        tokenizer: Tokenizer,
+        max_prompt_tokens: int,
+        recorder: Recorder | None = None,
+        version: str = "",
+    ) -> None:
         self.name, self.engine, self.tok, self.version = name, engine, tokenizer, version
         self.max_prompt_tokens = max_prompt_tokens
         self.recorder = recorder
@@ -105,37 +82,48 @@ class ModelService:
                 result = item
         assert result is not None, "stream ended without a result"
         if result.finish_reason == FinishReason.DEADLINE.value:
-            raise ServiceError(ErrorKind.DEADLINE, f"request passed its deadline after {result.total_s:.2f}s "
-                               f"({result.completion_tokens} tokens generated)")
+            raise ServiceError(
+                ErrorKind.DEADLINE,
+                f"request passed its deadline after {result.total_s:.2f}s "
+                f"({result.completion_tokens} tokens generated)",
+            )
         return result
 
-    async def stream(self, req: TextRequest) -> AsyncIterator[StreamPiece | TextResult]:
+    async def stream(self, req: TextRequest) -> AsyncGenerator[StreamPiece | TextResult, None]:
         """Pieces of text as tokens arrive, then one TextResult. Raises ServiceError before the first piece."""
         gen, started = self._prepare(req), time.monotonic()
         matcher = StopMatcher(req.params.stop_strings)
         decoder = IncrementalDecoder(self.tok)
-        text, index, ttft, finish, hyps, handle, done = "", 0, None, FinishReason.LENGTH, (), None, False
-        events, stats = None, None
+        text, index, ttft, finish, handle, done = "", 0, None, FinishReason.LENGTH, None, False
+        hyps: tuple[tuple[tuple[int, ...], float], ...] = ()  # a beam search's n best (ids, score)
+        events, stats, scored, end_lp, server_ttft = None, None, [], None, None
+        n_forced = len(gen.params.forced_ids)
         self._stats[gen.request_id] = None
         try:
             events, handle = self._events(gen, req.field)
             async for ev in events:
                 if ev.token_id is None:  # the final event
-                    done, finish, hyps = True, ev.finish_reason or FinishReason.STOP, ev.hypotheses
+                    done, finish, hyps, end_lp = True, ev.finish_reason or FinishReason.STOP, ev.hypotheses, ev.logprob
                     if ev.error:
                         raise ServiceError(ErrorKind.UNAVAILABLE, f"engine failed on this request: {ev.error}")
                     break
-                ttft = ttft if ttft is not None else time.monotonic() - started
-                released, stopped = matcher.push(decoder.push(ev.token_id))
+                if ttft is None:
+                    ttft, server_ttft = time.monotonic() - started, self._server_ttft(req)
+                piece = decoder.push(ev.token_id)
+                # forced text is the client's: stop strings are looked for in what the model generates
+                released, stopped = (piece, False) if index < n_forced else matcher.push(piece)
                 text += released
-                yield StreamPiece(released, index, self.version if index == 0 else "")
+                lp = self._logprob(piece, ev.logprob, ev.top_logprobs) if ev.logprob is not None else None
+                if lp is not None:
+                    scored.append(lp)
+                yield StreamPiece(released, index, self.version if index == 0 else "", lp)
                 index += 1
                 if stopped:
                     finish = FinishReason.STOP
                     self._count_cancel("stop_string")
                     break
             if not matcher.stopped:  # the decoder may hold an incomplete character; the matcher, a prefix
-                rest = self.tok.decode(decoder.ids)[len(decoder.emitted):]
+                rest = self.tok.decode(decoder.ids)[len(decoder.emitted) :]
                 tail, stopped = matcher.push(rest) if rest else ("", False)
                 finish = FinishReason.STOP if stopped else finish
                 tail += "" if stopped else matcher.flush()
@@ -151,30 +139,100 @@ class ModelService:
                 _cancel_quietly(handle)
             if events is not None:
                 await events.aclose()
-        yield self._result(gen, req, text, index, finish, hyps, ttft, started, stats)
+        result = self._result(gen, req, text, index, finish, hyps, ttft, started, stats)
+        yield replace(
+            result,
+            logprobs=tuple(scored),
+            forced=n_forced,
+            end_logprob=end_lp,
+            server_ttft_s=server_ttft,
+            completion_tokens=result.completion_tokens - min(n_forced, index),
+        )
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> dict[str, Any]:
+        """The ids the model reads for `text` (vLLM's /tokenize answer): with `add_special_tokens`, a language
+        model's prompt starts with bos, as a request's does."""
+        ids = self.tok.encode(text)
+        if add_special_tokens and not self.engine.is_encoder_decoder:
+            ids = [_special(self.tok.bos_id)] + ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": getattr(self.engine, "max_len", None)}
+
+    def detokenize(self, ids: list[int]) -> str:
+        bad = [i for i in ids if not 0 <= i < self.tok.vocab_size]
+        if bad:
+            raise ServiceError(
+                ErrorKind.INVALID,
+                f"tokens holds ids outside the vocabulary [0, {self.tok.vocab_size}): {bad[:5]}",
+                field="tokens",
+            )
+        return self.tok.decode(ids)
 
     # -- internals ------------------------------------------------------------------------------------
+    def _server_ttft(self, req: TextRequest) -> float | None:
+        """The ingress's arrival to now (wall clocks: the ingress may be another process or node)."""
+        if req.arrival_wall is None:
+            return None
+        seconds = max(0.0, time.time() - req.arrival_wall)
+        if self.recorder:
+            self.recorder.observe("kvserve_server_time_to_first_token_seconds", self.labels, seconds)
+        return seconds
+
+    def _logprob(self, piece: str, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenLogprob:
+        """The token's text as it appears in the answer, and its alternatives' texts (each decoded alone)."""
+        return piece, logprob, tuple((self.tok.token_bytes(i), lp) for i, lp in top)
+
+    def _forced(self, req: TextRequest, ids: list[int]) -> tuple[list[int], SamplingParams]:
+        """The engine's prompt and params for a request with forced tokens (TextRequest.echo/prefix/score)."""
+        p = req.params
+        if not (req.echo or req.prefix or req.score):
+            return ids, p
+        forced: list[int] = []
+        if req.echo and not self.engine.is_encoder_decoder:
+            forced, ids = ids[1:], ids[:1]  # after bos, the prompt is forced: each of its tokens scored
+        forced += self.tok.encode(req.prefix) if req.prefix else []
+        if req.score:
+            forced.append(_special(self.tok.eos_id))
+        new = len(forced) if req.score else len(forced) + p.max_new_tokens
+        return ids, replace(
+            p,
+            forced_ids=tuple(forced),
+            max_new_tokens=new,
+            min_tokens=p.min_tokens + len(forced) if p.min_tokens else 0,
+        )
+
     def _prepare(self, req: TextRequest) -> GenerationRequest:
         if req.version is not None and req.version != self.version:  # reached a replica of another version
-            raise ServiceError(ErrorKind.NOT_FOUND, f"model {self.name}@{req.version} is not served here: this "
-                               f"replica serves version {self.version} (the version was replaced, or is being "
-                               f"rolled out); name the model without a version, or one of GET /v1/models",
-                               field="model")
+            raise ServiceError(
+                ErrorKind.NOT_FOUND,
+                f"model {self.name}@{req.version} is not served here: this "
+                f"replica serves version {self.version} (the version was replaced, or is being "
+                f"rolled out); name the model without a version, or one of GET /v1/models",
+                field="model",
+            )
         remaining = req.deadline_wall - time.time()
         if remaining <= 0:
             raise ServiceError(ErrorKind.DEADLINE, "request deadline passed before it reached the model")
         ids = self.tok.encode(req.text)
         if len(ids) > self.max_prompt_tokens:
-            raise ServiceError(ErrorKind.TOO_LARGE, f"{req.field} has {len(ids)} tokens; the limit is "
-                               f"{self.max_prompt_tokens}. Shorten it.", field=req.field)
+            raise ServiceError(
+                ErrorKind.TOO_LARGE,
+                f"{req.field} has {len(ids)} tokens; the limit is {self.max_prompt_tokens}. Shorten it.",
+                field=req.field,
+            )
         if not self.engine.is_encoder_decoder:
-            ids = [self.tok.bos_id] + ids  # an LM sequence starts with bos (model/decode.py)
+            ids = [_special(self.tok.bos_id)] + ids  # an LM sequence starts with bos (model/decode.py)
         elif not ids:
-            ids = [self.tok.pad_id]  # an empty source is one pad token, as export/evaluate.py encodes it
-        return GenerationRequest(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids,
-                                 params=req.params, deadline=time.monotonic() + remaining)
+            ids = [_special(self.tok.pad_id)]  # an empty source is one pad token, as export/evaluate.py encodes it
+        ids, params = self._forced(req, ids)
+        return GenerationRequest(
+            request_id=req.request_id or uuid.uuid4().hex,
+            prompt_ids=ids,
+            params=params,
+            deadline=time.monotonic() + remaining,
+            priority=req.priority,
+        )
 
-    def _events(self, gen: GenerationRequest, text_field: str) -> tuple[AsyncIterator[TokenEvent], Any]:
+    def _events(self, gen: GenerationRequest, text_field: str) -> tuple[AsyncGenerator[TokenEvent, None], Any]:
         """The request's events and its engine handle; `text_field` names the prompt in a refusal."""
         try:
             handle = self.engine.submit(gen)
@@ -182,20 +240,41 @@ class ModelService:
             raise from_engine(e, self.name, text_field) from e
         return handle.__aiter__(), handle
 
-    def _result(self, gen: GenerationRequest, req: TextRequest, text: str, n_tokens: int, finish: FinishReason,
-                hyps: tuple, ttft: float | None, started: float, stats: RequestStats | None) -> TextResult:
+    def _result(
+        self,
+        gen: GenerationRequest,
+        req: TextRequest,
+        text: str,
+        n_tokens: int,
+        finish: FinishReason,
+        hyps: tuple,
+        ttft: float | None,
+        started: float,
+        stats: RequestStats | None,
+    ) -> TextResult:
         if finish == FinishReason.DEADLINE and n_tokens == 0 and not hyps:
-            raise ServiceError(ErrorKind.DEADLINE, f"request passed its deadline "
-                               f"({time.monotonic() - started:.2f}s) before producing a token")
+            raise ServiceError(
+                ErrorKind.DEADLINE,
+                f"request passed its deadline ({time.monotonic() - started:.2f}s) before producing a token",
+            )
         n_best: tuple[tuple[str, float], ...] = ()
         if hyps:  # beam search: the best hypothesis is the answer
             n_best = tuple((self.tok.decode(ids), float(score)) for ids, score in hyps[: req.params.n_best])
             text, n_tokens = n_best[0][0], len([i for i in hyps[0][0] if i != self.tok.eos_id])
             text = StopMatcher(req.params.stop_strings).trim(text)
-        prompt_tokens = self._user_tokens(gen)
-        return TextResult(text=text, finish_reason=finish.value, prompt_tokens=prompt_tokens,
-                          completion_tokens=n_tokens, queue_s=stats.queue_wait if stats else None,
-                          ttft_s=ttft, total_s=time.monotonic() - started, n_best=n_best, version=self.version)
+        prompt_tokens = self._user_tokens(gen) + len(gen.params.forced_ids) - req.score  # forced: the client's
+        tracing.record_engine(req.traceparent, self.name, req.client_request_id, stats)
+        return TextResult(
+            text=text,
+            finish_reason=finish.value,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=n_tokens,
+            queue_s=stats.queue_wait if stats else None,
+            ttft_s=ttft,
+            total_s=time.monotonic() - started,
+            n_best=n_best,
+            version=self.version,
+        )
 
     def _user_tokens(self, gen: GenerationRequest) -> int:
         """Prompt tokens as the user counts them: without the bos or the pad of an empty source."""
@@ -229,8 +308,9 @@ class ModelService:
         m, r = self.labels, self.recorder
         r.observe("kvserve_engine_step_duration_seconds", m, s.duration)
         r.observe("kvserve_engine_batch_size", m, s.batch_size)
-        self.record_gauges({"running": s.running, "waiting": s.waiting, "slots_used": s.slots_used,
-                            "slots_total": s.slots_total})
+        self.record_gauges(
+            {"running": s.running, "waiting": s.waiting, "slots_used": s.slots_used, "slots_total": s.slots_total}
+        )
 
     def record_gauges(self, snap: dict | None = None) -> None:
         """Running/waiting/slot gauges from a step or `engine.snapshot()` (the deployment polls when idle)."""
@@ -238,10 +318,20 @@ class ModelService:
             return
         snap = snap if snap is not None else self.engine.snapshot()
         m = self.labels
-        for key, metric in (("running", "kvserve_running_requests"), ("waiting", "kvserve_waiting_requests"),
-                            ("slots_used", "kvserve_kv_slots_used"), ("slots_total", "kvserve_kv_slots_capacity")):
+        for key, metric in (
+            ("running", "kvserve_running_requests"),
+            ("waiting", "kvserve_waiting_requests"),
+            ("slots_used", "kvserve_kv_slots_used"),
+            ("slots_total", "kvserve_kv_slots_capacity"),
+        ):
             if key in snap:
                 self.recorder.set(metric, m, float(snap[key]))
+
+
+def _special(token_id: int | None) -> int:
+    """A special token's id (the tokenizers refuse to load without their bos, eos and pad)."""
+    assert token_id is not None, "the tokenizer lacks a special token"
+    return token_id
 
 
 def _cancel_quietly(handle: Any) -> None:
@@ -249,4 +339,3 @@ def _cancel_quietly(handle: Any) -> None:
         handle.cancel()
     except Exception:  # the request already finished: nothing to cancel
         pass
-

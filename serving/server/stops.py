@@ -5,6 +5,7 @@ to send and whether a stop string appeared; text that might still grow into a st
 so a client never receives any part of a stop string. serving/server/service.py cancels the engine request when
 `stopped` becomes true.
 """
+
 from __future__ import annotations
 
 
@@ -27,7 +28,7 @@ class StopMatcher:
             self.held, self.stopped = "", True
             return buf[:cut], True
         keep = _longest_partial(buf, self.stops)
-        self.held = buf[len(buf) - keep:] if keep else ""
+        self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
     def flush(self) -> str:

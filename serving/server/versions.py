@@ -13,6 +13,7 @@ consecutive requests of one ingress replica, not just on average.
 
 Does not own: asking the replicas for their versions (serving/server/ingress.py caches that), HTTP.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ServedVersion:
     """One bundle of a model as served now: by which deployment, and with what share of the model's traffic."""
+
     model: str
     deployment: str
     version: str
