@@ -34,7 +34,7 @@ bodies = {%(bodies)s}
 i, tokens, answers = %(offset)d, 0, 0  -- globals: done() reads them through thread:get
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-request = function()
+%(headers)srequest = function()
   i = i %% #bodies + 1
   return wrk.format(nil, "%(path)s", nil, bodies[i])
 end
@@ -57,11 +57,12 @@ def wrk_path() -> str | None:
     return shutil.which("wrk")
 
 
-def _lua(bodies: list[str], path: str, offset: int) -> str:
+def _lua(bodies: list[str], path: str, offset: int, headers: dict[str, str] | None = None) -> str:
     def quote(body: str) -> str:
         level = next(n for n in range(1, 10) if f"]{'=' * n}]" not in body)
         return f"[{'=' * level}[{body}]{'=' * level}]"
-    return LUA % {"bodies": ",".join(map(quote, bodies)), "path": path, "offset": offset}
+    extra = "".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}\n" for k, v in (headers or {}).items())
+    return LUA % {"bodies": ",".join(map(quote, bodies)), "path": path, "offset": offset, "headers": extra}
 
 
 class TtftProbe:
@@ -107,9 +108,11 @@ class TtftProbe:
 
 
 def run_wrk(url: str, path: str, bodies: list[dict[str, Any]], connections: int, seconds: float,
-            probe_bodies: list[dict[str, Any]] | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+            probe_bodies: list[dict[str, Any]] | None = None, timeout_s: float = 60.0, offset: int | None = None,
+            headers: dict[str, str] | None = None) -> dict[str, Any]:
     """`connections` closed-loop clients for `seconds`: wrk's, and the TTFT probe as the last one when
-    `probe_bodies` (streaming `/v1/generate` bodies) are given; tokens/s from the answers completed meanwhile."""
+    `probe_bodies` (streaming `/v1/generate` bodies) are given; tokens/s from the answers completed meanwhile.
+    wrk sends `bodies` in order from `offset` (default: the middle), wrapping around; `headers` go with each."""
     probe = bool(probe_bodies)
     exe = wrk_path()
     if exe is None:
@@ -117,7 +120,8 @@ def run_wrk(url: str, path: str, bodies: list[dict[str, Any]], connections: int,
     n = connections - 1 if probe else connections
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "kvserve.lua"
-        script.write_text(_lua([json.dumps(b) for b in bodies], path, offset=len(bodies) // 2))
+        script.write_text(_lua([json.dumps(b) for b in bodies], path, len(bodies) // 2 if offset is None else offset,
+                               headers))
         cmd = [exe, "-t1", f"-c{n}", f"-d{max(1, round(seconds))}s", "--timeout", f"{timeout_s:g}s", "-s", str(script),
                url]
         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)

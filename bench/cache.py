@@ -1,0 +1,145 @@
+"""`python -m bench.cache`: what the response cache gains when half of the requests repeat an earlier one.
+
+`kvserve serve`'s production config (deploy/serve_config.yaml through `prepare_config`, as bench/soak.py runs it) on
+a free port, with the translate model's response cache on (`response_cache_entries`), is driven by wrk
+(bench/wrk.py: a load generator in C, so the two cores go to the server rather than to a Python client) with
+closed-loop clients sending `/v1/translate` requests over the test split's sentences, half of them repeating an
+earlier request (loadtest/workloads.py, `--repeat-fraction 0.5`). Each round runs the load twice, the order
+alternating: every request with `Cache-Control: no-cache` (the cache bypassed: what the server does without one)
+and without (the cache used). Each run has keys of its own (its own `max_tokens`), so no run finds answers an
+earlier run stored, and the request list is longer than a run gets through (no wrap-around repeats). Greedy and
+beam 4. The gain is the cached run's requests/s over the bypassed run's, median over the rounds.
+
+Does not measure: a load generator on another machine, or the answers' equality (tests/test_response_cache.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.compute import machine
+from bench.soak import free_port, soak_config
+from bench.wrk import run_wrk
+from loadtest.config import LoadConfig, Workload
+from loadtest.workloads import Inputs, request_body, source_index
+
+MODEL = "translate"
+BYPASS = {"Cache-Control": "no-cache"}
+DECODES = {"greedy": 1, "beam 4": 4}  # name -> beam_size
+
+
+def cache_config(artifacts: Path, port: int, entries: int) -> dict[str, Any]:
+    """The production Serve config with the translate model's response cache holding up to `entries` answers."""
+    cfg = soak_config(artifacts, port)
+    spec = next(m for m in cfg["applications"][0]["args"]["models"] if m["name"] == MODEL)
+    spec["response_cache_entries"] = entries
+    return cfg
+
+
+def inputs(data_dir: Path) -> Inputs:
+    """The English side of every split (test first, then valid and train; each sentence once): the test split
+    alone (817 sentences) holds fewer distinct inputs than a run sends."""
+    texts: dict[str, None] = {}
+    for split in ("test", "valid", "train"):
+        path = data_dir / "translate" / f"{split}.tsv"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: run `kvserve data --task translate --no-catalogs --out "
+                                    f"{data_dir}`")
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                texts.setdefault(line.split("\t", 1)[0], None)
+    return Inputs(tuple(texts), f"{len(texts)} English sentences of {data_dir}/translate", False)
+
+
+def bodies(url: str, texts: Inputs, beam_size: int, max_tokens: int, n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` translate bodies, half of them repeating an earlier one (the load tester's `--repeat-fraction 0.5`);
+    the others each with an input of its own."""
+    cfg = LoadConfig(url=url, workload=Workload.TRANSLATE, concurrency=1, requests=n, max_tokens=max_tokens,
+                     beam_size=beam_size, seed=seed, repeat_fraction=0.5)
+    fresh = sum(source_index(cfg, i) == i for i in range(n))
+    if fresh > len(texts.texts):
+        raise ValueError(f"{fresh} distinct requests need as many inputs; {texts.source}")
+    return [request_body(cfg, texts, i) for i in range(n)]
+
+
+def measure(url: str, data_dir: Path, rounds: int, seconds: float, connections: int, n: int,
+            seed: int) -> dict[str, Any]:
+    """{decode: {"bypassed": [req/s per round], "cached": [...], "gain": median ratio, ...}}."""
+    out: dict[str, Any] = {}
+    texts, run_no = inputs(data_dir), 0
+    for name, beam in DECODES.items():
+        runs: dict[str, list[dict[str, Any]]] = {"bypassed": [], "cached": []}
+        warm = bodies(url, texts, beam, 64, n, seed + 1)  # warm-up, not measured: keys no measured run uses
+        run_wrk(url, "/v1/translate", warm, connections, 3, offset=0, headers=BYPASS)
+        for rnd in range(rounds):
+            for kind in ("bypassed", "cached") if rnd % 2 == 0 else ("cached", "bypassed"):
+                run_no += 1
+                load = bodies(url, texts, beam, 64 - run_no, n, seed)  # keys of its own: its own max_tokens
+                r = run_wrk(url, "/v1/translate", load, connections, seconds, offset=0,
+                            headers=BYPASS if kind == "bypassed" else None)
+                if r["answers"] >= n:
+                    raise RuntimeError(f"{r['answers']} answers from {n} bodies: wrk wrapped around; raise --bodies")
+                runs[kind].append(r)
+                print(f"bench cache {name:7s} r{rnd} {kind:8s} {r['requests_per_s']:7.1f} req/s  p99 "
+                      f"{r['e2e_p99_s']:.3f} s  errors {r['errors']}  wrk cpu {r['load_generator_cpu']:.3f}",
+                      file=sys.stderr, flush=True)
+        rates = {k: [r["requests_per_s"] for r in v] for k, v in runs.items()}
+        out[name] = {**{k: [round(x, 1) for x in v] for k, v in rates.items()},
+                     "gain": round(statistics.median(c / b for c, b in zip(rates["cached"], rates["bypassed"], strict=True)), 2),
+                     "errors": sum(r["errors"] for v in runs.values() for r in v),
+                     "e2e_p99_s": {k: round(statistics.median(r["e2e_p99_s"] for r in v), 4) for k, v in runs.items()}}
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    flags = ", ".join(m["cpu_flags"]) or "none of AVX2/AVX-512/VNNI/BF16/AMX"
+    lines = [f"Measured {m['date_utc']} at commit {m['git']} on {m['cpu']} ({m['logical_cpus']} logical CPUs; "
+             f"{flags}); {result['connections']} wrk connections, {result['seconds']:g} s per run, "
+             f"{result['rounds']} rounds:", "",
+             "| requests | bypassed, req/s | cached, req/s | gain (median) |", "| --- | --- | --- | --- |"]
+    for name, r in result["decodes"].items():
+        lines.append(f"| {name} | {', '.join(map(str, r['bypassed']))} | {', '.join(map(str, r['cached']))} | "
+                     f"{r['gain']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.cache", description=__doc__.split("\n\n")[0])
+    p.add_argument("--artifacts", type=Path, default=Path("artifacts"), help="holds bundles/ and data/")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=20.0, help="each run")
+    p.add_argument("--connections", type=int, default=8)
+    p.add_argument("--bodies", type=int, default=12000, help="requests prepared per run (more than a run sends)")
+    p.add_argument("--entries", type=int, default=16384, help="the cache's response_cache_entries")
+    p.add_argument("--seed", type=int, default=561)
+    p.add_argument("--out", type=Path, default=None, help="the figures' JSON (default: ARTIFACTS/bench/cache.json)")
+    args = p.parse_args(argv)
+    from serving.server.config import validate_serve_config
+    from serving.server.launch import cpus_needed, start, stop
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = validate_serve_config(cache_config(args.artifacts, port, args.entries))
+    start(cfg, num_cpus=cpus_needed(cfg), timeout_s=600)
+    try:
+        decodes = measure(url, args.artifacts / "data", args.rounds, args.seconds, args.connections, args.bodies,
+                          args.seed)
+    finally:
+        stop()
+    result = {"machine": machine(), "rounds": args.rounds, "seconds": args.seconds, "connections": args.connections,
+              "entries": args.entries, "decodes": decodes}
+    out = args.out or args.artifacts / "bench" / "cache.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(markdown(result))
+    return 1 if any(r["errors"] for r in decodes.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
