@@ -42,7 +42,7 @@ from bench.autoscale import DEFAULT_PHASES as AUTOSCALE_PHASES
 from bench.http import HttpPlan
 from bench.markdown import rel_path as _rel
 
-SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "autoscale")
+SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "autoscale", "cache")
 # http_path: Ray's default data plane and placement (what kvserve ran before choosing), then kvserve serve's
 HTTP_PATH_SERVERS = (("python", "split"), ("haproxy", "split"), ("haproxy", "colocated"))
 WEIGHTS = "model.safetensors"  # a checkpoint's weights file (model/checkpoint.py)
@@ -76,6 +76,9 @@ class BenchPlan:
     breakdown_max_new: int = 64
     autoscale_phases: tuple[tuple[int, float], ...] = AUTOSCALE_PHASES  # (clients, seconds) per phase
     autoscale_slots: int = 8  # KV slots per replica: 32 clients need more than one replica
+    cache_rounds: int = 3  # the response cache at 50% repeats, bypassed vs used (bench/cache.py)
+    cache_seconds: float = 20.0
+    cache_connections: int = 32
     gemm_n: int = 2048
     gemm_reps: int = 5
     sweep_batches: tuple[int, ...] = (1, 8, 32, 64)
@@ -93,7 +96,7 @@ QUICK = BenchPlan(
     sweep_batches=(1, 4), sweep_context=8, scaling_rows=(1, 4), scaling_contexts=(4, 16), http_path_seconds=2.0,
     path_tokens=4, breakdown_concurrency=(1, 4), breakdown_rounds=1,
     breakdown_requests_per_client=1, breakdown_max_new=8, autoscale_phases=((1, 3.0), (4, 20.0), (1, 20.0)),
-    autoscale_slots=2)
+    autoscale_slots=2, cache_rounds=1, cache_seconds=2.0, cache_connections=4)
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,16 @@ def section_autoscale(art: Artifacts, plan: BenchPlan, commands: list[str], img:
     return {**doc, "plot": "img/autoscaling.png"}
 
 
+def section_cache(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
+    from bench.cache import run
+
+    art.require_bundle("translate")
+    commands.append(shlex.join(["python", "-m", "bench.cache", "--artifacts", _rel(art.root), "--rounds",
+                                str(plan.cache_rounds), "--seconds", f"{plan.cache_seconds:g}", "--connections",
+                                str(plan.cache_connections)]))
+    return run(art.root, plan.cache_rounds, plan.cache_seconds, plan.cache_connections)
+
+
 def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: Path, img: Path,
                  commit: str) -> dict[str, dict[str, Any]]:
     """Run the given sections in order; each one's JSON (or its error), with the commit it measured, is saved to
@@ -289,7 +302,8 @@ def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: 
     runners: dict[str, Callable[..., dict[str, Any]]] = {
         "compute": section_compute, "inprocess": section_inprocess, "translate": section_translate,
         "breakdown": section_breakdown, "http": lambda a, p, c: section_http(a, p, c, shipped),
-        "http_path": section_http_path, "autoscale": lambda a, p, c: section_autoscale(a, p, c, img)}
+        "http_path": section_http_path, "autoscale": lambda a, p, c: section_autoscale(a, p, c, img),
+        "cache": section_cache}
     results = {}
     for name in sections:
         commands: list[str] = []

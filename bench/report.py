@@ -252,6 +252,22 @@ def render_autoscale(b: dict[str, Any]) -> list[str]:
     return out + _commands(b)
 
 
+def render_cache(b: dict[str, Any]) -> list[str]:
+    out = ["## 7. The response cache at 50% repeats", ""]
+    if not b.get("ok"):
+        return out + _failed(b) + _commands(b)
+    from bench.cache import markdown
+
+    out += [_section_date(b), "",
+            f"The production Serve config with the translator's response cache on (`response_cache_entries: "
+            f"{b['entries']}`); wrk, a C load generator, sends `/v1/translate` requests from {b['connections']} "
+            f"closed-loop connections over {b['inputs']}, half of them repeating an earlier request; each round runs "
+            f"the load with `Cache-Control: no-cache` on every request (bypassed) and without (cached), alternated, "
+            f"{b['seconds']:g} s each, every run on keys of its own; then every request a hit. A hit skips the engine "
+            "but still pays the HTTP path ([docs/api.md](api.md#response-cache)).", "", *markdown(b)]
+    return out + _commands(b)
+
+
 def _noise_warning(b: dict[str, Any], inproc: dict[str, Any] | None) -> list[str]:
     """A warning when a decode step or the engine measured above the matmul peak (a peak measured while busy)."""
     from bench.compute import engine_best
@@ -312,6 +328,10 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
         from bench.autoscale import ramp_reading
 
         out.append(f"- Autoscaling on the engines' KV-slot load, {ramp_reading(a)}.")
+    ca = sections.get("cache", {})
+    if ca.get("ok"):
+        out.append("- The response cache at 50% repeated requests: " + ", ".join(
+            f"{name} {r['gain']:.2f}x requests/s" for name, r in ca["decodes"].items()) + " (vs bypassed).")
     failed = [n for n, s in sections.items() if not s.get("ok")]
     if failed:
         out.append(f"- **Failed sections: {', '.join(failed)}** (see below).")
@@ -345,6 +365,8 @@ def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: d
         out += render_breakdown(sections["breakdown"])
     if "autoscale" in sections:
         out += render_autoscale(sections["autoscale"])
+    if "cache" in sections:
+        out += render_cache(sections["cache"])
     from bench.gpu_check.report import BENCHMARKS_SECTION  # measured apart: `make gpu-check` on a GPU machine
 
     out += [*BENCHMARKS_SECTION, "## Plan", "", "The settings of this run (bench/cli.py `BenchPlan`):", "", "```",

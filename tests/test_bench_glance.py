@@ -76,7 +76,7 @@ def test_autoscale_section_shows_the_ramp_and_its_plot(tmp_path):
     from bench.autoscale import plot
 
     doc = render(_sections(), MACHINE, {}, "kvserve bench", None)
-    assert "## 6. Autoscaling under a load ramp" in doc and "## 7. GPU" in doc
+    assert "## 6. Autoscaling under a load ramp" in doc and "## 8. GPU" in doc
     assert "![clients and replicas over time](img/autoscaling.png)" in doc
     assert "| 32 | 30 | 2000 | 1 | 1-3 | 0.03 s | 0.1 s |" in doc
     assert "- Autoscaling on the engines' KV-slot load, 2 -> 32 -> 2 clients: 1 -> 3 -> 1 replicas" in doc

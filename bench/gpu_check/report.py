@@ -19,7 +19,7 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_INCOMPLETE = 0, 1, 2
 ROOT = Path(__file__).resolve().parents[2]
 # docs/benchmarks.md's GPU section until the check has run on a GPU (bench/report.py renders it).
 BENCHMARKS_SECTION = [
-    "## 7. GPU (CUDA EP)", "",
+    "## 8. GPU (CUDA EP)", "",
     "The CUDA path (CUDA EP, fp16 bundles, the KV cache bound in device memory, the engine and a Ray Serve "
     "replica with `num_gpus: 1`) is built but has not yet run on a GPU: no figures yet. One prepared command "
     "checks and measures all of it on a machine with an NVIDIA GPU and `onnxruntime-gpu` installed (offline; "
