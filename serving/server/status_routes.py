@@ -99,12 +99,7 @@ class StatusRoutes:
         """KServe v2 model metadata: the versions served (the most traffic first), the platform, the task and
         the request's and answer's text fields as v2 tensors (BYTES). Behind the API key (it names versions)."""
         tasks = self.backend.model_tasks()
-        if name not in tasks:
-            raise ServiceError(
-                ErrorKind.NOT_FOUND,
-                f"model {name[:120]!r} is not served; GET /v1/models lists the models served",
-                field="name",
-            )
+        _require_served(name, tasks)
         served = sorted((s for s in await self.backend.model_versions() if s.model == name), key=lambda s: -s.weight)
         return {
             "name": name,
@@ -117,13 +112,8 @@ class StatusRoutes:
     async def model_ready(self, name: str) -> dict:
         """KServe v2 model readiness: 200 while at least one replica of the model can serve, else 503."""
         tasks = self.backend.model_tasks()
-        if name not in tasks:
-            # open without the API key (a probe): the answer names no model; GET /v1/models lists them, behind it
-            raise ServiceError(
-                ErrorKind.NOT_FOUND,
-                f"model {name[:120]!r} is not served; GET /v1/models lists the models served",
-                field="name",
-            )
+        # open without the API key (a probe): the answer names no model; GET /v1/models lists them, behind it
+        _require_served(name, tasks)
         if self.drain.draining:
             raise ServiceError(ErrorKind.UNAVAILABLE, DRAINING_MESSAGE, retry_after_s=RETRY_AFTER_S)
         if not (await self.backend.models_ready()).get(name, False):
@@ -144,3 +134,13 @@ class StatusRoutes:
         if self._gzipped[0] is not text:
             self._gzipped = (text, gzip.compress(text.encode(), 6))
         return Response(self._gzipped[1], media_type=METRICS_TYPE, headers={**headers, "Content-Encoding": "gzip"})
+
+
+def _require_served(name: str, tasks: dict[str, str]) -> None:
+    """404 for a model this server does not serve; the answer names no other model."""
+    if name not in tasks:
+        raise ServiceError(
+            ErrorKind.NOT_FOUND,
+            f"model {name[:120]!r} is not served; GET /v1/models lists the models served",
+            field="name",
+        )
