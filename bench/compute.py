@@ -92,7 +92,7 @@ def _ort_matmul(n: int, threads: int) -> Any:
     graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
                               [helper.make_tensor_value_info(k, TensorProto.FLOAT, [n, n]) for k in "ab"],
                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

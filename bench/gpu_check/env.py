@@ -94,7 +94,7 @@ def cuda_session_starts() -> tuple[bool, str]:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe", [x],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
     so = ort.SessionOptions()
     so.log_severity_level = 3
     err = io.StringIO()

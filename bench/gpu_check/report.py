@@ -31,7 +31,9 @@ BENCHMARKS_SECTION = [
 
 def commit() -> str | None:
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10)
+        # "-dirty" when tracked files differ from the commit: the run measured a tree no commit holds
+        r = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=10)
     except OSError:
         return None
     return r.stdout.strip() or None

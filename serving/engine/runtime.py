@@ -226,11 +226,15 @@ class ModelRuntime:
         self._in_ids[rows, 0] = input_ids[:, 0]
         self._in_len[rows] = input_len
         self._in_pos[rows] = write_pos
+        if self._device != "cpu":
+            # IOBinding copies a host input to the device when it is bound, not when the graph runs: off the
+            # CPU, the rows' new ids, lengths and positions must be bound again for each step
+            self._bind_step_inputs(io, start, n)
         self._decoder.run_with_iobinding(io)
         return self._logits[rows].astype(np.float32, copy=False)  # a view for fp32 bundles
 
-    def _bind_rows(self, start: int, n: int) -> ort.IOBinding:
-        io = self._decoder.io_binding()
+    def _bind_step_inputs(self, io: ort.IOBinding, start: int, n: int) -> None:
+        """Rows [start, start+n) of the one-token steps' host inputs, bound by address."""
         for name, arr in (
             ("input_ids", self._in_ids),
             ("input_len", self._in_len),
@@ -239,6 +243,10 @@ class ModelRuntime:
         ):
             row = arr.strides[0]
             io.bind_input(name, "cpu", 0, arr.dtype, [n, *arr.shape[1:]], arr.ctypes.data + start * row)
+
+    def _bind_rows(self, start: int, n: int) -> ort.IOBinding:
+        io = self._decoder.io_binding()
+        self._bind_step_inputs(io, start, n)
         io.bind_output(
             "logits",
             "cpu",

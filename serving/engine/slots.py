@@ -9,10 +9,20 @@ TORCH-FREE (numpy + onnxruntime + onnx.helper). Does not own: which slot holds w
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
 _HELPER_OPSET = 24
+
+
+def _model(graph: onnx.GraphProto) -> bytes:
+    """The graph as a model of the lowest IR version its opset allows: onnx.helper's default is the newest IR
+    the installed onnx writes (14 with onnx 1.23), which onnxruntime 1.31, still supported, refuses."""
+    opsets = [helper.make_opsetid("", _HELPER_OPSET)]
+    return helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets)
+    ).SerializeToString()
 
 
 def slot_copy_graph(names: list[str], elem: int) -> bytes:
@@ -29,7 +39,7 @@ def slot_copy_graph(names: list[str], elem: int) -> bytes:
     inputs += [helper.make_tensor_value_info(k, TensorProto.INT64, ["k"]) for k in ("src", "dst")]
     axis0 = helper.make_tensor("axis0", TensorProto.INT64, [1], [1])
     graph = helper.make_graph(nodes, "kvserve_slot_copy", inputs, outputs, initializer=[axis0])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _HELPER_OPSET)]).SerializeToString()
+    return _model(graph)
 
 
 def slot_place_graph(names: list[str], elem: int) -> bytes:
@@ -42,7 +52,7 @@ def slot_place_graph(names: list[str], elem: int) -> bytes:
         outputs.append(helper.make_tensor_value_info(f"out_{n}", elem, None))
     inputs.append(helper.make_tensor_value_info("pos", TensorProto.INT64, ["n"]))
     graph = helper.make_graph(nodes, "kvserve_slot_place", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _HELPER_OPSET)]).SerializeToString()
+    return _model(graph)
 
 
 class SlotBuffer:
