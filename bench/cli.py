@@ -351,10 +351,13 @@ def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] |
     elapsed = time.perf_counter() - t0
     invocation = ["kvserve", "bench", "--artifacts", _rel(artifacts), "--out", _rel(out)] + (["--quick"] if quick else [])
     measured_on["date_utc"] = machine(ROOT)["date_utc"]
+    if render_only:  # the doc carries the date and duration of its measurements, not of this rendering
+        measured_on["date_utc"] = max([r["date_utc"] for r in results.values() if r.get("date_utc")] or ["?"])
+        elapsed = sum(r.get("elapsed_s", 0.0) for r in results.values())
     # the doc names the commits its sections measured (saved ones may be older than this checkout)
     measured_on["git"] = ", ".join(sorted({r["git"] for r in results.values() if r.get("git")})) or measured_on["git"]
     doc = render({name: results[name] for name in SECTIONS if name in results}, measured_on, asdict(plan),
-                 shlex.join(invocation), elapsed if not render_only else None)
+                 shlex.join(invocation), elapsed)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
     print(f"==> wrote {out} ({elapsed / 60:.1f} min)", file=sys.stderr, flush=True)

@@ -367,8 +367,8 @@ def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: d
         out += render_autoscale(sections["autoscale"])
     if "cache" in sections:
         out += render_cache(sections["cache"])
-    from bench.gpu_check.report import BENCHMARKS_SECTION  # measured apart: `make gpu-check` on a GPU machine
+    from bench.gpu_check.report import benchmarks_section  # measured apart: `make gpu-check` on a GPU machine
 
-    out += [*BENCHMARKS_SECTION, "## Plan", "", "The settings of this run (bench/cli.py `BenchPlan`):", "", "```",
+    out += [*benchmarks_section(), "## Plan", "", "The settings of this run (bench/cli.py `BenchPlan`):", "", "```",
             *(f"{k}: {v}" for k, v in plan.items()), "```", ""]
     return "\n".join(out)

@@ -60,6 +60,20 @@ def test_exit_status_and_markdown_follow_the_steps():
     assert exit_status(doc) == EXIT_INCOMPLETE and "ray is not importable" in markdown(doc)
 
 
+def test_benchmarks_section_shows_the_published_gpu_run_and_says_so_when_there_is_none(tmp_path):
+    from bench.gpu_check.report import PUBLISHED, benchmarks_section
+
+    assert "no figures yet" in "\n".join(benchmarks_section(tmp_path / "none.json"))
+    doc = json.loads(PUBLISHED.read_text())  # the run docs/benchmarks.md shows: every check passed there
+    assert doc["exit_status"] == EXIT_OK and doc["checks"] and all(doc["checks"].values())
+    text = "\n".join(benchmarks_section())
+    gpu = doc["steps"]["env"]["data"]["gpu"]["nvidia_smi"][0]
+    assert text.startswith("## 8. GPU (CUDA EP)") and gpu in text and doc["date_utc"] in text
+    assert [h for h in text.splitlines() if h.startswith("#")] == [
+        "## 8. GPU (CUDA EP)", "### Environment", "### Parity vs PyTorch (CPU)", "### KV cache on the device",
+        "### Engine", "### Server"]
+
+
 @pytest.mark.skipif(gpu_visible(), reason="checks the run without onnxruntime-gpu")
 def test_cuda_run_without_onnxruntime_gpu_says_what_is_missing_and_skips_the_device_steps(tmp_path, capsys):
     assert main(["--device", "cuda", "--out", str(tmp_path), "--steps", "parity", "engine"]) == EXIT_INCOMPLETE

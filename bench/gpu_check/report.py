@@ -8,6 +8,7 @@ check failed, 2 nothing failed but a step was skipped or raised, or a prerequisi
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -17,16 +18,34 @@ from bench.gpu_check.plan import Status, Step
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_INCOMPLETE = 0, 1, 2
 ROOT = Path(__file__).resolve().parents[2]
-# docs/benchmarks.md's GPU section until the check has run on a GPU (bench/report.py renders it).
-BENCHMARKS_SECTION = [
-    "## 8. GPU (CUDA EP)", "",
-    "The CUDA path (CUDA EP, fp16 bundles, the KV cache bound in device memory, the engine and a Ray Serve "
-    "replica with `num_gpus: 1`) is built but has not yet run on a GPU: no figures yet. One prepared command "
-    "checks and measures all of it on a machine with an NVIDIA GPU and `onnxruntime-gpu` installed (offline; "
-    "its plan is sized for 8 minutes on 16 cores) and writes `gpu_check.json` and `gpu_check.md` to `OUT`; "
-    "its markdown goes here once it has run. `make gpu-check-cpu` runs the same steps on the CPU EP.", "",
-    "```", "make gpu-check OUT=artifacts/gpu-check          # PY=python3 by default: any python with the deps",
-    "python -m bench.gpu_check --device cuda --out artifacts/gpu-check", "```", ""]
+# The run docs/benchmarks.md's GPU section shows: a `make gpu-check` on a GPU machine, its OUT/gpu_check.json
+# copied here and rendered by `kvserve bench --render-only` (bench/report.py).
+PUBLISHED = ROOT / "docs" / "gpu" / "gpu_check.json"
+HOW = ["```", "make gpu-check OUT=artifacts/gpu-check          # PY=python3 by default: any python with the deps",
+       "python -m bench.gpu_check --device cuda --out artifacts/gpu-check", "```", ""]
+
+
+def benchmarks_section(published: Path = PUBLISHED) -> list[str]:
+    """docs/benchmarks.md's section 8: the published run's report under the section's heading, or, before any
+    run on a GPU, what the check does and how to run it."""
+    head = ["## 8. GPU (CUDA EP)", ""]
+    if not published.is_file():
+        return [*head, "The CUDA path (CUDA EP, fp16 bundles, the KV cache bound in device memory, the engine and a "
+                "Ray Serve replica with `num_gpus: 1`) has not run on a GPU: no figures yet. One prepared command "
+                "checks and measures all of it on a machine with an NVIDIA GPU and `onnxruntime-gpu` installed "
+                "(offline; its plan is sized for 8 minutes on 16 cores) and writes `gpu_check.json` and "
+                "`gpu_check.md` to `OUT`. `make gpu-check-cpu` runs the same steps on the CPU EP.", "", *HOW]
+    doc = json.loads(published.read_text())
+    env = doc["steps"].get("env", {}).get("data", {})
+    gpus = ", ".join(env.get("gpu", {}).get("nvidia_smi") or []) or "unknown GPU"
+    ort = env.get("onnxruntime", {}).get("version", "?")
+    intro = (f"Measured by `make gpu-check` on {gpus} with {env.get('cpus', '?')} CPU cores, onnxruntime-gpu {ort} "
+             f"(the record: docs/gpu/gpu_check.json; {doc['date_utc']}, {doc['commit']}). The engine figures are "
+             "the generate model's, each batching mode alternated in one run; `make gpu-check-cpu` runs the same "
+             "steps on the CPU EP.")
+    body = markdown(doc).splitlines()[2:]  # the report without its title, its headings under this section's
+    body = ["#" + line if line.startswith("## ") else line for line in body]
+    return [*head, intro, "", *HOW, *body, ""]
 
 
 def commit() -> str | None:
