@@ -124,20 +124,6 @@ def _rules(policies: list[Doc]) -> Iterator[tuple[str, Doc]]:
             yield f"policy/{policy['metadata'].get('name')} egress[{i}]", rule
 
 
-def _ports(rule: Doc) -> list[tuple[str, int, int]] | None:
-    """(protocol, first, last) of each port entry; None means every port. A port named rather than numbered
-    is reported by `egress_errors` (a name means the destination pod's port of that name, unknown here)."""
-    if not rule.get("ports"):
-        return None
-    ranges = []
-    for entry in rule["ports"]:
-        if "port" not in entry:
-            return None
-        if isinstance(entry["port"], int):
-            ranges.append((entry.get("protocol", "TCP"), entry["port"], entry.get("endPort", entry["port"])))
-    return ranges
-
-
 def _describe(peer: Doc | None) -> str:
     return json.dumps(peer, sort_keys=True) if peer else "anywhere (no `to`)"
 
@@ -163,7 +149,8 @@ def egress_errors(pod: Any, policies: list[Doc], api_server: bool) -> list[str]:
                 f"deploy/k8s/base/networkpolicy-egress.yaml"]
     errors, seen = [], set()
     for where, rule in _rules(selecting):
-        ports = _ports(rule)
+        # a port named rather than numbered names the destination's port of that name: reported just below
+        ports = _exposure().port_ranges(rule, lambda port: port if isinstance(port, int) else None)
         named = [e["port"] for e in rule.get("ports") or [] if isinstance(e.get("port"), str)]
         if named:
             errors.append(f"{where}: port names {named}: name egress ports by number (a name means the "

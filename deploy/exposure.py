@@ -22,7 +22,7 @@ KubeRay and Serve config facts (deploy/validate.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -210,18 +210,24 @@ def admitted(port: int, peer: Peer) -> bool:
     return port == DASHBOARD_PORT and peer is Peer.NAMED_PODS
 
 
-def _port_ranges(rule: Doc, pod: RayPod) -> list[tuple[int, int]] | None:
-    """The port ranges one ingress rule admits on `pod`; None means every port."""
+def port_ranges(rule: Doc, number: Callable[[int | str], int | None]) -> list[tuple[str, int, int]] | None:
+    """(protocol, first, last) of each port entry of one NetworkPolicy rule (ingress or egress); None means every
+    port. `number` gives an entry's port as a number, or None when the entry names none (a name the pod lacks)."""
     if not rule.get("ports"):
         return None
     ranges = []
     for entry in rule["ports"]:
         if "port" not in entry:
             return None
-        number = pod.ports.get(entry["port"]) if isinstance(entry["port"], str) else entry["port"]
-        if number is not None:  # a port name the pod does not have admits nothing
-            ranges.append((number, entry.get("endPort", number)))
+        if (first := number(entry["port"])) is not None:
+            ranges.append((entry.get("protocol", "TCP"), first, entry.get("endPort", first)))
     return ranges
+
+
+def _port_ranges(rule: Doc, pod: RayPod) -> list[tuple[int, int]] | None:
+    """The port ranges one ingress rule admits on `pod` (a port name the pod does not have admits nothing)."""
+    ranges = port_ranges(rule, lambda port: pod.ports.get(port) if isinstance(port, str) else port)
+    return None if ranges is None else [(lo, hi) for _, lo, hi in ranges]
 
 
 def _isolating(policies: list[Doc], pod: RayPod) -> list[Doc]:
