@@ -92,13 +92,13 @@ def _row(concurrency: int, wall: float, steps: list[Any], clock: dict[str, float
 
 
 async def _measure(bundle: Path, concurrency: list[int], threads: int, requests_per_client: int, min_new: int,
-                   max_new: int, seed: int) -> list[dict[str, Any]]:
+                   max_new: int, seed: int, provider: str = "cpu") -> list[dict[str, Any]]:
     from bench.engine import workload
     from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
     slots = max(concurrency)
-    engine = Engine.from_bundle(bundle, EngineConfig(max_slots=slots, max_waiting=4 * slots, provider="cpu",
+    engine = Engine.from_bundle(bundle, EngineConfig(max_slots=slots, max_waiting=4 * slots, provider=provider,
                                                      intra_op_threads=threads, max_new_tokens=max_new))
     steps: list[Any] = []
     engine.add_observer(steps.append, None)
@@ -119,10 +119,11 @@ async def _measure(bundle: Path, concurrency: list[int], threads: int, requests_
 
 
 def measure(bundles: list[Path], concurrency: list[int], threads: int = 1, requests_per_client: int = 4,
-            min_new: int = 8, max_new: int = 64, seed: int = 0) -> dict[str, Any]:
-    """One pass: every bundle at every concurrency, in this process (with whichever engine it imports)."""
-    return {str(b): asyncio.run(_measure(b, concurrency, threads, requests_per_client, min_new, max_new, seed))
-            for b in bundles}
+            min_new: int = 8, max_new: int = 64, seed: int = 0, provider: str = "cpu") -> dict[str, Any]:
+    """One pass: every bundle at every concurrency, in this process (with whichever engine it imports), on
+    `provider` (the gpu check's engine step runs it on the CUDA EP)."""
+    return {str(b): asyncio.run(_measure(b, concurrency, threads, requests_per_client, min_new, max_new, seed,
+                                         provider)) for b in bundles}
 
 
 def _pass(bundles: list[Path], args: list[str]) -> dict[str, Any]:

@@ -60,6 +60,21 @@ def test_exit_status_and_markdown_follow_the_steps():
     assert exit_status(doc) == EXIT_INCOMPLETE and "ray is not importable" in markdown(doc)
 
 
+def test_the_engine_step_reports_where_a_continuous_step_goes():
+    row = {"concurrency": 32, "rows_per_step": 21.3, "step_ms": 8.5, "tokens_per_s": 2504.0,
+           "per_step_ms": {"ort decoder": 7.5, "ort encoder": 0.0, "ort helpers": 0.0, "runner python": 0.6,
+                           "engine loop": 0.4},
+           "share": {"ort decoder": 0.88, "ort encoder": 0.0, "ort helpers": 0.0, "runner python": 0.07,
+                     "engine loop": 0.05}}
+    from bench.breakdown import table
+
+    engine = Step("engine", data={"breakdown/generate/fp16": {
+        "rows": [row], "markdown": table({"models": [{"bundle": "b/generate-fp16", "rows": [row]}]})}})
+    md = markdown(document("cuda", {}, [Step("env", data={"missing": []}), engine], 0.0, []))
+    assert "Where a continuous-batching step's time goes, generate/fp16" in md
+    assert "| generate-fp16 | 32 | 21.3 | 8.500 | 7.500 (88%) |" in md
+
+
 def test_benchmarks_section_shows_the_published_gpu_run_and_says_so_when_there_is_none(tmp_path):
     from bench.gpu_check.report import PUBLISHED, benchmarks_section
 

@@ -1,7 +1,8 @@
 """The gpu check's engine step: throughput by batching mode on the device, and batch invariance there.
 
 Throughput is bench/engine.py's closed-loop benchmark as it is (continuous, request-level and no batching
-alternated, at the plan's concurrencies, eos ignored) on the generate model, per variant. Batch invariance:
+alternated, at the plan's concurrencies, eos ignored) on the generate model, per variant; the step breakdown
+(bench/breakdown.py) says where a continuous-batching step's time goes on the device, for the first variant. Batch invariance:
 `invariance_requests` requests of mixed prompt and output lengths, greedy or seeded sampling, submitted all
 at once, must produce exactly the tokens and finish reasons each produces alone, on each task's fp32 bundle
 (the engine's promise: a request's text does not depend on what else runs).
@@ -78,11 +79,23 @@ async def invariance(bundle: Path, device: str, plan: Plan, sampled: bool) -> di
             "identical": n - len(differ), "differ": differ[:10], "passed": not differ}
 
 
+def breakdown(bundle: Path, device: str, plan: Plan) -> dict[str, Any]:
+    """Where a continuous-batching step's time goes on the device (bench/breakdown.py: inside ORT per graph,
+    the runner's Python, the engine loop), at the plan's concurrencies, greedy."""
+    from bench.breakdown import measure, table
+
+    rows = measure([bundle], list(plan.engine_concurrency), requests_per_client=plan.engine_requests_per_client,
+                   min_new=plan.engine_min_new, max_new=plan.engine_max_new, provider=device)[str(bundle)]
+    return {"rows": rows, "markdown": table({"models": [{"bundle": str(bundle), "rows": rows}]})}
+
+
 def run(step: Step, plan: Plan, bundles: Bundles, device: str) -> None:
     for variant in plan.engine_variants:
         path = bundles.get("generate", variant)
         if path is not None:
             step.data[f"throughput/generate/{variant}"] = throughput(path, device, plan)
+    if (path := bundles.get("generate", plan.engine_variants[0])) is not None:
+        step.data[f"breakdown/generate/{plan.engine_variants[0]}"] = breakdown(path, device, plan)
     for task in plan.tasks:
         path = bundles.get(task, INVARIANCE_VARIANT)
         if path is None:

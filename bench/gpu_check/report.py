@@ -132,6 +132,9 @@ def _engine_lines(data: dict[str, Any]) -> list[str]:
     for k, v in data.items():
         if k.startswith("throughput/"):
             out += [f"Throughput, {k[11:]}:", "", v["markdown"], ""]
+        if k.startswith("breakdown/"):
+            out += [f"Where a continuous-batching step's time goes, {k[10:]} (ms per step, share of the step):", "",
+                    v["markdown"], ""]
     inv = [(k, v) for k, v in data.items() if k.startswith("invariance/")]
     if inv:
         out += ["| batch invariance | requests | identical to alone | tokens |", "| --- | ---: | ---: | ---: |"]
