@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.compute import machine
+from bench.http import GENERATED, STEPS, scrape_now
 from bench.soak import free_port, soak_config
 from bench.wrk import run_wrk
 from loadtest.config import LoadConfig, Workload
+from loadtest.promscrape import Snapshot
 from loadtest.workloads import Inputs, load_inputs, request_body, source_index
 
 MODEL = "translate"
@@ -83,8 +85,10 @@ def measure(url: str, texts: Inputs, rounds: int, seconds: float, connections: i
             for kind in ("bypassed", "cached") if rnd % 2 == 0 else ("cached", "bypassed"):
                 run_no += 1
                 load = bodies(url, texts, beam, 64 - run_no, n, seed)  # keys of its own: its own max_tokens
+                before = scrape_now(url)
                 r = run_wrk(url, "/v1/translate", load, connections, seconds, offset=0,
                             headers=BYPASS if kind == "bypassed" else None)
+                r["engine"] = engine_rates(before, scrape_now(url), r["seconds"])
                 wrapped |= r["answers"] >= len(load)  # then more than half of the requests repeated
                 runs[kind].append(r)
                 if kind == "cached":  # its first answers - connections requests were all answered, so stored
@@ -102,17 +106,37 @@ def measure(url: str, texts: Inputs, rounds: int, seconds: float, connections: i
                      "all_hits": round(hits["requests_per_s"], 1),
                      "wrapped": wrapped,
                      "errors": sum(r["errors"] for v in runs.values() for r in v) + hits["errors"],
-                     "e2e_p99_s": {k: round(statistics.median(r["e2e_p99_s"] for r in v), 4) for k, v in runs.items()}}
+                     "e2e_p99_s": {k: round(statistics.median(r["e2e_p99_s"] for r in v), 4) for k, v in runs.items()},
+                     "engine": {k: _median_rates([r["engine"] for r in v]) for k, v in runs.items()}}
     return out
+
+
+def engine_rates(before: Snapshot, after: Snapshot, seconds: float) -> dict[str, float] | None:
+    """The translator's engine over one run, from the server's exact counters: steps per second (the engine steps
+    all the time under this load, so fewer steps mean slower ones) and tokens per step (how full the steps were)."""
+    if before.error or after.error:
+        return None
+    steps = (after.total(STEPS, model=MODEL) or 0.0) - (before.total(STEPS, model=MODEL) or 0.0)
+    tokens = (after.total(GENERATED, model=MODEL) or 0.0) - (before.total(GENERATED, model=MODEL) or 0.0)
+    return {"steps_per_s": steps / seconds, "tokens_per_step": tokens / steps} if steps > 0 else None
+
+
+def _median_rates(rates: list[dict[str, float] | None]) -> dict[str, float] | None:
+    got = [r for r in rates if r]
+    return {k: round(statistics.median(r[k] for r in got), 2) for k in got[0]} if got else None
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
     """The figures as a table (the bench doc's section 7 and `python -m bench.cache`)."""
-    lines = ["| requests | bypassed, req/s | cached, req/s | gain (median) | every request a hit, req/s |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| requests | bypassed, req/s | cached, req/s | gain (median) | every request a hit, req/s | engine "
+             "steps/s, bypassed / cached | tokens per step, bypassed / cached |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["decodes"].items():
+        eng = r.get("engine") or {}
+        by, ca = eng.get("bypassed") or {}, eng.get("cached") or {}
+        steps = f"{by['steps_per_s']:.0f} / {ca['steps_per_s']:.0f}" if by and ca else "n/a"
+        fill = f"{by['tokens_per_step']:.1f} / {ca['tokens_per_step']:.1f}" if by and ca else "n/a"
         lines.append(f"| {name} | {', '.join(map(str, r['bypassed']))} | {', '.join(map(str, r['cached']))} | "
-                     f"{r['gain']:.2f}x | {r['all_hits']} |")
+                     f"{r['gain']:.2f}x | {r['all_hits']} | {steps} | {fill} |")
     if any(r["wrapped"] for r in result["decodes"].values()):
         lines += ["", f"A run sent every prepared request and started over ({result['inputs']}): more than half of "
                       "its requests repeated an earlier one."]
