@@ -2,10 +2,10 @@
 
 Throughput is bench/engine.py's closed-loop benchmark as it is (continuous, request-level and no batching
 alternated, at the plan's concurrencies, eos ignored) on the generate model, per variant; the step breakdown
-(bench/breakdown.py) says where a continuous-batching step's time goes on the device, for the first variant. Batch invariance:
-`invariance_requests` requests of mixed prompt and output lengths, greedy or seeded sampling, submitted all
-at once, must produce exactly the tokens and finish reasons each produces alone, on each task's fp32 bundle
-(the engine's promise: a request's text does not depend on what else runs).
+(bench/breakdown.py) says where a continuous-batching step's time goes on the device, for the first variant.
+Batch invariance: `invariance_requests` requests of mixed prompt and output lengths, greedy or seeded sampling,
+submitted all at once, must produce exactly the tokens and finish reasons each produces alone, on each task's
+fp32 bundle (the engine's promise: a request's text does not depend on what else runs).
 """
 from __future__ import annotations
 
