@@ -4,7 +4,7 @@ The config is the integration suite's (tests/integration_cluster.py) reduced to 
 deployment and `generate` colocated (serving.server.config.colocate): the API and the generate engine in one
 process, with 2 KV slots and no waiting room, so that admission shows. Both models answer through the same
 API; what a model deployment guarantees holds for the colocated one too: its version in every answer,
-per-model readiness, a 429 + Retry-After when its engine is full, its slots freed when a client goes away,
+per-model readiness, a 429 + Retry-After when its engine is full, its response cache answering repeats, its slots freed when a client goes away,
 its batching knobs applied from the ingress's user_config.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ def colocated(bundles, ray_cluster):
     app = cfg["applications"][0]
     app["args"]["models"] = [m for m in app["args"]["models"] if m["name"] in ("translate", "generate")]
     app["args"]["models"][1]["engine"]["max_slots"] = 2
+    app["args"]["models"][1]["response_cache_entries"] = 64
     app["deployments"] = [d for d in app["deployments"] if d["name"] in ("ingress", "translate", "generate")]
     next(d for d in app["deployments"] if d["name"] == "ingress")["num_replicas"] = 1
     next(d for d in app["deployments"] if d["name"] == "generate")["user_config"].update(max_waiting=0)
@@ -60,17 +61,30 @@ def test_both_models_answer_and_the_colocated_one_names_its_version(colocated):
     assert f"generate@{version}" in models
 
 
+def test_a_repeated_request_is_answered_from_the_colocated_models_cache(colocated):
+    """Through Ray Serve's ingress: the second of two identical seeded requests is the first's answer, kept whole
+    (serving/server/answer_front.py); sampling without a seed is computed each time."""
+    c, version = colocated
+    body = {"model": "generate", "prompt": "the cat", "max_tokens": 6, "temperature": 0.9, "seed": 3}
+    first, again = c.post("/v1/generate", json=body), c.post("/v1/generate", json=body)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert "x-cache" not in first.headers and again.headers["x-cache"] == "hit"
+    assert again.json()["text"] == first.json()["text"] and again.headers["x-model-version"] == version
+    assert again.headers["x-request-id"] != first.headers["x-request-id"]  # per request, not kept
+    unseeded = {k: v for k, v in body.items() if k != "seed"}
+    assert all("x-cache" not in c.post("/v1/generate", json=unseeded).headers for _ in range(2))
+
+
 def test_a_full_colocated_engine_answers_429_with_retry_after(colocated):
     """8 requests at once for 2 KV slots and no waiting room: the engine admits what fits, refuses the rest."""
     from concurrent.futures import ThreadPoolExecutor
 
     c, _ = colocated
-    body = {"model": "generate", "prompt": "a", "max_tokens": 63, "ignore_eos": True}
     barrier = threading.Barrier(8)
 
-    def one(_: int) -> httpx.Response:
+    def one(i: int) -> httpx.Response:  # prompts of their own: the response cache never answers one for another
         barrier.wait()
-        return c.post("/v1/generate", json=body)
+        return c.post("/v1/generate", json={"model": "generate", "prompt": "abcdefgh"[i], "max_tokens": 63, "ignore_eos": True})
 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(one, range(8)))

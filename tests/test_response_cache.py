@@ -67,6 +67,9 @@ class CachedBackend(LocalBackend):
     async def complete(self, model: str, req: TextRequest) -> TextResult:
         return await self.model.complete(req)
 
+    def answer_cache(self, model: str) -> ResponseCache | None:
+        return self.model.cache
+
 
 @pytest.fixture(scope="module")
 def served():

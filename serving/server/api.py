@@ -31,6 +31,8 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from serving.engine.types import SamplingParams
 from serving.server import completions, tracing, translation
+from serving.server.answer_front import PATHS as FRONT_PATHS
+from serving.server.answer_front import AnswerFront, mark_storable
 from serving.server.auth import BearerAuth, key_sha256, open_paths
 from serving.server.backend import Backend
 from serving.server.config import Limits
@@ -39,6 +41,7 @@ from serving.server.errors import ErrorKind, ServiceError, install_error_handler
 from serving.server.metrics import Recorder
 from serving.server.middleware import BodyLimit, RequestMetrics
 from serving.server.repository_routes import add_repository_routes
+from serving.server.response_cache import ResponseCache
 from serving.server.schemas import (
     CompletionRequest,
     DetokenizeRequest,
@@ -75,6 +78,10 @@ def create_app(
         description="Transformer translation and generation on ONNX Runtime behind Ray Serve.",
     )
     drain = drain if drain is not None else Drain()
+    kept = getattr(backend, "answer_cache", lambda _: None)  # the cache a model's whole answers go to, if any
+    caches: list[ResponseCache] = [c for c in map(kept, backend.model_tasks()) if c is not None]
+    front_routes: dict[str, Any] = {}  # filled below, once the routes exist (the stack is built on the first call)
+    app.add_middleware(AnswerFront, caches=caches, routes=front_routes)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(BearerAuth, key_sha256=key_sha256(api_key), open_paths=open_paths(metrics_require_key))
     app.add_middleware(DrainGate, drain=drain)
@@ -96,6 +103,7 @@ def create_app(
     app.get("/v2/models/{name}")(status.model_metadata)
     app.get("/metrics", response_class=PlainTextResponse)(status.metrics)
     add_repository_routes(app, backend)  # with a model repository: its admin routes
+    front_routes.update((path, r) for r in app.routes if (path := getattr(r, "path", None)) in FRONT_PATHS)
     return app
 
 
@@ -131,6 +139,7 @@ class _Routes:
 
         reqs, layout = translation.translate_requests(body, texts, params, self.limits.max_texts, make)
         results, head = await self._answers(model, reqs, request, response, started)
+        mark_storable(request.scope, self.backend, model, reqs, results)
         return {**head, "translations": translation.translations(body, results, layout)}
 
     async def score(self, body: ScoreRequest, request: Request, response: Response) -> dict:
@@ -175,6 +184,7 @@ class _Routes:
             return _sse(generate_events(first, rest, started, treq.deadline_wall), _stream_version(request, first))
         r = await self._complete(model, treq)
         _name_versions(request, response, [r])
+        mark_storable(request.scope, self.backend, model, [treq], [r])
         return {
             "model": model,
             "text": r.text,

@@ -43,6 +43,7 @@ from serving.server.pool_routes import POOL_DEPLOYMENT, PoolRoutes
 from serving.server.ray_env import bind_replica_grpc_to_node
 from serving.server.readiness import ModelReadiness, probe_replicas, serve_replica_states
 from serving.server.repository import Repository
+from serving.server.response_cache import ResponseCache
 from serving.server.text_types import StreamPiece, TextRequest, TextResult, is_result
 from serving.server.versions import Router, ServedVersion
 
@@ -87,6 +88,13 @@ class RayBackend:
 
     def model_tasks(self) -> dict[str, str]:
         return {**self.tasks, **self.pool.tasks()} if self.pool else self.tasks
+
+    def answer_cache(self, model: str) -> ResponseCache | None:
+        """The response cache that may keep whole answers for `model` (serving/server/answer_front.py): its
+        colocated model's, when that is the model's only route (a canary's weight is never bypassed)."""
+        routes = self.router.routes.get(model, [])
+        local = self.local.get(routes[0][0]) if len(routes) == 1 else None
+        return local.cache if local is not None else None
 
     def not_found_hint(self) -> str:
         """What a 404 for an unknown model adds: where the repository looks for bundles."""

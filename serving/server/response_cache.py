@@ -7,7 +7,9 @@ answer cut short (deadline, cancellation, error), nor a request that sent `Cache
 holds one model version, so a new version starts with an empty cache (invalidated by version).
 
 Bounded by entries and by the bytes of the texts held; the least recently used goes first. Hits, misses,
-evictions and the entries held are metrics (kvserve_response_cache_*), labelled by model and version.
+evictions and the entries held are metrics (kvserve_response_cache_*), labelled by model and version. Besides each
+text's answer it holds whole HTTP answers, keyed by the request's bytes (serving/server/answer_front.py), under
+the same bounds.
 
 Does not own: what an answer is (serving/server/service.py), where the cache sits (serving/server/local_model.py).
 """
@@ -18,6 +20,7 @@ import asyncio
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +38,11 @@ def cache_key(req: TextRequest) -> tuple | None:
     return (req.text, p, req.prefix, req.echo, req.score)
 
 
+def cacheable(req: TextRequest, result: TextResult) -> bool:
+    """Whether `result`, the answer to `req`, is one the cache keeps."""
+    return cache_key(req) is not None and result.finish_reason in CACHED_FINISH
+
+
 ENTRY_OVERHEAD = 1024  # bytes of an entry beyond its texts: its key, params, result and the LRU's node (measured)
 
 
@@ -48,7 +56,7 @@ class ResponseCache:
     def __init__(self, max_entries: int, max_bytes: int, recorder: Recorder | None, labels: dict[str, str]) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.recorder, self.labels = recorder, labels
-        self._entries: OrderedDict[tuple, tuple[TextResult, int]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()  # key -> (TextResult or Answer, bytes)
         self.bytes = 0
         self._inflight: dict[tuple, asyncio.Future[TextResult]] = {}  # answers being computed, by key
 
@@ -68,12 +76,27 @@ class ResponseCache:
         return hit[0]
 
     def put(self, key: tuple, result: TextResult) -> None:
-        if result.finish_reason not in CACHED_FINISH or key in self._entries:
+        if result.finish_reason not in CACHED_FINISH:
             return
-        size = _size(key, result)
-        if size > self.max_bytes:
+        self._put(key, result, _size(key, result))
+
+    def get_answer(self, key: Hashable) -> Any:
+        """A whole HTTP answer kept by serving/server/answer_front.py (None if not held); its texts count as hits."""
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        self._entries.move_to_end(key)
+        self._count("hit", hit[0].texts)
+        return hit[0]
+
+    def put_answer(self, key: Hashable, answer: Any) -> None:
+        """Keep a whole HTTP answer (`answer.size` bytes) beside the texts' answers, within the same bounds."""
+        self._put(key, answer, ENTRY_OVERHEAD + answer.size)
+
+    def _put(self, key: Hashable, value: Any, size: int) -> None:
+        if key in self._entries or size > self.max_bytes:
             return
-        self._entries[key] = (result, size)
+        self._entries[key] = (value, size)
         self.bytes += size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             _, (_, freed) = self._entries.popitem(last=False)
@@ -116,6 +139,6 @@ class ResponseCache:
             pending.set_result(result)
         return result
 
-    def _count(self, result: str) -> None:
+    def _count(self, result: str, texts: int = 1) -> None:
         if self.recorder:
-            self.recorder.inc("kvserve_response_cache_requests_total", {**self.labels, "reason": result})
+            self.recorder.inc("kvserve_response_cache_requests_total", {**self.labels, "reason": result}, texts)
