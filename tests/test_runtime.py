@@ -237,3 +237,31 @@ def test_cross_width_follows_the_longest_source_held(bundles):
     step(2)
     with pytest.raises(ValueError, match="no encoded source"):
         rt.step(0, np.ones((3, 1), np.int64), np.ones(3, np.int64), pos[:3])
+
+
+def test_a_source_given_several_times_is_encoded_once_into_each_of_its_slots(bundles, monkeypatch):
+    """A beam's rows (and identical requests joining together) share one encoder row: each slot gets the same
+    cross keys/values as encoding the sources one by one, and the decoder's logits stay PyTorch's."""
+    ck = load_checkpoint(checkpoint_of(bundles["translate"]))
+    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=6, provider="cpu")
+    ref = TorchRuntime(ck.model, 6, ck.tokenizer.special_ids)
+    g = np.random.default_rng(9)
+    a, b = g.integers(4, 200, 7).tolist(), g.integers(4, 200, 4).tolist()
+    sources = [a, a, a, b, list(a), b]
+    encoded: list[int] = []
+    run = ort.InferenceSession.run_with_iobinding
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding",
+                        lambda self, io, *r: (encoded.append(len(self.get_inputs())), run(self, io, *r))[1])
+    rt.encode(0, sources)
+    assert len(encoded) == 1
+    alone = ModelRuntime(load_bundle(bundles["translate"]), n_slots=6, provider="cpu")
+    for i, s in enumerate(sources):
+        alone.encode(i, [s])
+    for name, buf in rt._cross_kv.items():  # each row's own positions (a padded one is masked, whatever it holds)
+        for i, s in enumerate(sources):
+            np.testing.assert_allclose(buf.host_array()[i, :, : len(s)],
+                                       alone._cross_kv[name].host_array()[i, :, : len(s)], atol=1e-5, rtol=0)
+    ref.encode(0, sources)
+    x = g.integers(4, 200, (6, 1)).astype(np.int64)
+    ones, pos = np.ones(6, np.int64), np.zeros(6, np.int64)
+    np.testing.assert_allclose(rt.step(0, x, ones, pos), ref.step(0, x, ones, pos), atol=1e-4, rtol=0)

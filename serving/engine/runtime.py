@@ -37,6 +37,7 @@ from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visib
 from serving.engine.runtime_checks import check_copy, check_rows, check_source_lengths, check_step
 from serving.engine.sessions import check_session_io, execution_providers, open_session
 from serving.engine.slots import SlotBuffer, slot_copy_graph, slot_place_graph
+from serving.engine.sources import distinct_sources, source_binding
 
 CROSS_WIDTH_STEP = 16  # the cross buffers' source axis grows and shrinks in steps of this many positions
 
@@ -120,7 +121,8 @@ class ModelRuntime:
     # ---- operations ------------------------------------------------------------------------------------
     def encode(self, start: int, sources: list[list[int]]) -> None:
         """Run the encoder once on `sources` and store each one's cross keys/values and source length in
-        slots start, start+1, ... ."""
+        slots start, start+1, ... . On the CPU a source given several times (a beam's rows, identical requests)
+        is encoded once and copied to each of its slots."""
         encoder = self._encoder
         if encoder is None:
             raise ValueError("encode() needs an encoder-decoder bundle; this one is a decoder-only LM")
@@ -131,28 +133,32 @@ class ModelRuntime:
         if self._adaptive_width:
             self._src_len[start : start + n] = 0  # these rows are about to be overwritten: nothing to keep
             self._fit_cross_width(max(int(lens.max()), int(self._src_len.max())))
-        ids = np.full((n, int(lens.max())), self.pad_id, np.int64)
-        for i, s in enumerate(sources):
-            ids[i, : len(s)] = s
-        io = encoder.io_binding()
-        io.bind_cpu_input("src_ids", ids)
-        io.bind_cpu_input("src_len", lens)
         if self._device == "cpu":  # into host arrays, then numpy copies into the slot rows: no placement graph
-            self._encode_on_host(encoder, io, start, n, ids.shape[1])
+            distinct, index = distinct_sources(sources)
+            self._encode_on_host(encoder, distinct, start, index)
         else:
+            io, held = source_binding(encoder, sources, self.pad_id)
             self._encode_on_device(encoder, io, start, n)
+            del held
         self._src_len[start : start + n] = lens
 
-    def _encode_on_host(self, encoder: ort.InferenceSession, io: ort.IOBinding, start: int, n: int, width: int) -> None:
-        """(A batch-1 encode spent a quarter of its time binding and running the placement graph.)"""
+    def _encode_on_host(
+        self, encoder: ort.InferenceSession, sources: list[list[int]], start: int, index: np.ndarray | None
+    ) -> None:
+        """(A batch-1 encode spent a quarter of its time binding and running the placement graph.) `index`: the
+        row of `sources` each slot from `start` on gets; None: one row each, in order."""
+        io, held = source_binding(encoder, sources, self.pad_id)
+        n, width = held[0].shape
         out = {
             name: np.empty((n, buf.shape[1], width, buf.shape[3]), self._dtype) for name, buf in self._cross_kv.items()
         }
         for name, arr in out.items():
             io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         encoder.run_with_iobinding(io)
+        del held
+        rows = n if index is None else len(index)
         for name, arr in out.items():
-            self._cross_kv[name].host_array()[start : start + n, :, :width] = arr
+            self._cross_kv[name].host_array()[start : start + rows, :, :width] = arr if index is None else arr[index]
 
     def _encode_on_device(self, encoder: ort.InferenceSession, io: ort.IOBinding, start: int, n: int) -> None:
         for name in self._cross_kv:
