@@ -76,8 +76,10 @@ class ModelService:
 
     # -- public API ---------------------------------------------------------------------------------
     async def complete(self, req: TextRequest) -> TextResult:
+        """The whole answer. Without stop strings (which end a request early, token by token) the engine's events
+        are taken at once when the request finishes (`RequestHandle.gathered`): one wake-up, not one per token."""
         result = None
-        async for item in self.stream(req):
+        async for item in self.stream(req, gather=not req.params.stop_strings):
             if isinstance(item, TextResult):
                 result = item
         assert result is not None, "stream ended without a result"
@@ -89,8 +91,9 @@ class ModelService:
             )
         return result
 
-    async def stream(self, req: TextRequest) -> AsyncGenerator[StreamPiece | TextResult, None]:
-        """Pieces of text as tokens arrive, then one TextResult. Raises ServiceError before the first piece."""
+    async def stream(self, req: TextRequest, gather: bool = False) -> AsyncGenerator[StreamPiece | TextResult, None]:
+        """Pieces of text as tokens arrive, then one TextResult. Raises ServiceError before the first piece.
+        `gather`: the pieces come at the end, all at once (`complete`); the timings are the same."""
         gen, started = self._prepare(req), time.monotonic()
         matcher = StopMatcher(req.params.stop_strings)
         decoder = IncrementalDecoder(self.tok)
@@ -100,7 +103,7 @@ class ModelService:
         n_forced = len(gen.params.forced_ids)
         self._stats[gen.request_id] = None
         try:
-            events, handle = self._events(gen, req.field)
+            events, handle = self._events(gen, req.field, gather)
             async for ev in events:
                 if ev.token_id is None:  # the final event
                     done, finish, hyps, end_lp = True, ev.finish_reason or FinishReason.STOP, ev.hypotheses, ev.logprob
@@ -108,7 +111,7 @@ class ModelService:
                         raise ServiceError(ErrorKind.UNAVAILABLE, f"engine failed on this request: {ev.error}")
                     break
                 if ttft is None:
-                    ttft, server_ttft = time.monotonic() - started, self._server_ttft(req)
+                    ttft, server_ttft = self._first_token(req, handle, started)
                 piece = decoder.push(ev.token_id)
                 # forced text is the client's: stop strings are looked for in what the model generates
                 released, stopped = (piece, False) if index < n_forced else matcher.push(piece)
@@ -168,11 +171,16 @@ class ModelService:
         return self.tok.decode(ids)
 
     # -- internals ------------------------------------------------------------------------------------
-    def _server_ttft(self, req: TextRequest) -> float | None:
-        """The ingress's arrival to now (wall clocks: the ingress may be another process or node)."""
+    def _first_token(self, req: TextRequest, handle: Any, started: float) -> tuple[float, float | None]:
+        """(ttft, server-side ttft) of the request's first token: when it reached this event loop."""
+        at, wall = getattr(handle, "first_at", None) or (time.monotonic(), time.time())
+        return at - started, self._server_ttft(req, wall)
+
+    def _server_ttft(self, req: TextRequest, first_wall: float) -> float | None:
+        """The ingress's arrival to the first token (wall clocks: the ingress may be another process or node)."""
         if req.arrival_wall is None:
             return None
-        seconds = max(0.0, time.time() - req.arrival_wall)
+        seconds = max(0.0, first_wall - req.arrival_wall)
         if self.recorder:
             self.recorder.observe("kvserve_server_time_to_first_token_seconds", self.labels, seconds)
         return seconds
@@ -232,13 +240,16 @@ class ModelService:
             priority=req.priority,
         )
 
-    def _events(self, gen: GenerationRequest, text_field: str) -> tuple[AsyncGenerator[TokenEvent, None], Any]:
-        """The request's events and its engine handle; `text_field` names the prompt in a refusal."""
+    def _events(
+        self, gen: GenerationRequest, text_field: str, gather: bool = False
+    ) -> tuple[AsyncGenerator[TokenEvent, None], Any]:
+        """The request's events (all at once at the end with `gather`) and its engine handle; `text_field` names
+        the prompt in a refusal."""
         try:
             handle = self.engine.submit(gen)
         except EngineError as e:
             raise from_engine(e, self.name, text_field) from e
-        return handle.__aiter__(), handle
+        return handle.gathered() if gather else handle.__aiter__(), handle
 
     def _result(
         self,
