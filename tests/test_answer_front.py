@@ -15,16 +15,13 @@ import tracemalloc
 import httpx
 import pytest
 
-from engine_bundle import cached_bundle
-from serving.engine.config import BatchingKnobs, ReplicaKnobs
 from serving.server.answer_front import STORE_KEY, AnswerFront, AnswerKey
 from serving.server.api import create_app
-from serving.server.config import Limits, ModelSpec
 from serving.server.local_model import LocalModel
 from serving.server.metrics import Recorder
 from serving.server.response_cache import ResponseCache
 from serving.server.service import TextRequest, TextResult
-from test_response_cache import CachedBackend
+from test_response_cache import LIMITS, CachedBackend, cached_translator
 
 KEY = "s3cret-key"
 
@@ -43,13 +40,9 @@ class CountingBackend(CachedBackend):
 def served():
     loop = asyncio.new_event_loop()
     recorder = Recorder("prometheus")
-    bundle = cached_bundle("translate")[0]
-    spec = ModelSpec(name="translate", bundle=bundle, response_cache_entries=64,
-                     engine=ReplicaKnobs(max_slots=4, provider="cpu", intra_op_threads=1))
-    limits = Limits(max_prompt_tokens=40, max_tokens=16)
-    model = loop.run_until_complete(LocalModel.load(spec, str(bundle), limits, BatchingKnobs(), recorder))
+    model = cached_translator(loop, recorder)
     backend = CountingBackend(model, recorder)
-    app = create_app(backend, limits, recorder, api_key=KEY)
+    app = create_app(backend, LIMITS, recorder, api_key=KEY)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                headers={"Authorization": f"Bearer {KEY}"})
 

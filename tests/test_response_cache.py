@@ -71,16 +71,23 @@ class CachedBackend(LocalBackend):
         return self.model.cache
 
 
+LIMITS = Limits(max_prompt_tokens=40, max_tokens=16)
+
+
+def cached_translator(loop: asyncio.AbstractEventLoop, recorder: Recorder) -> LocalModel:
+    """The tiny translator as a replica loads it, with a response cache of 64 answers."""
+    bundle = cached_bundle("translate")[0]
+    spec = ModelSpec(name="translate", bundle=bundle, response_cache_entries=64,
+                     engine=ReplicaKnobs(max_slots=4, provider="cpu", intra_op_threads=1))
+    return loop.run_until_complete(LocalModel.load(spec, str(bundle), LIMITS, BatchingKnobs(), recorder))
+
+
 @pytest.fixture(scope="module")
 def served():
     loop = asyncio.new_event_loop()
     recorder = Recorder("prometheus")
-    bundle = cached_bundle("translate")[0]
-    spec = ModelSpec(name="translate", bundle=bundle, response_cache_entries=64,
-                     engine=ReplicaKnobs(max_slots=4, provider="cpu", intra_op_threads=1))
-    limits = Limits(max_prompt_tokens=40, max_tokens=16)
-    model = loop.run_until_complete(LocalModel.load(spec, str(bundle), limits, BatchingKnobs(), recorder))
-    app = create_app(CachedBackend(model, recorder), limits, recorder)
+    model = cached_translator(loop, recorder)
+    app = create_app(CachedBackend(model, recorder), LIMITS, recorder)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
     yield loop, client, model
     loop.run_until_complete(client.aclose())
