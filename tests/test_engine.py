@@ -129,7 +129,14 @@ async def test_deadlines_finish_with_deadline_after_the_tokens_so_far():
 
 
 async def test_tokens_stream_while_the_request_runs_and_a_dropped_stream_cancels():
-    eng = await started(engine())
+    eng = engine()
+    step = eng.runtime.step
+
+    def slow_step(*a, **kw):  # 50 tiny steps could all finish before the consumer first runs: 5 ms each
+        time.sleep(0.005)
+        return step(*a, **kw)
+    eng.runtime.step = slow_step
+    await eng.start()
     stats = []
     eng.add_observer(None, stats.append)
     h = eng.submit(GenerationRequest("s", [1, 8], SamplingParams(max_new_tokens=50, ignore_eos=True)))
