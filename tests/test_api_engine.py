@@ -139,10 +139,12 @@ def test_tokenize_and_detokenize_round_trip_on_the_real_tokenizers(server):
 @pytest.mark.slow  # timing: the busy requests must outlast the others' submission (the logic: test_scheduler.py)
 def test_an_urgent_request_overtakes_the_waiting_bulk_ones_on_the_real_engine():
     """Every KV slot busy with long requests, bulk requests (priority 5) waiting: a request of priority -1 sent after
-    them is admitted first, so it ends before every one of them; the bulk ones keep their order among themselves."""
+    them is admitted first, so it ends before every one of them; the bulk ones keep their order among themselves.
+    The busy requests end 8 steps apart, so one slot frees at a time and each waiting request (4 tokens) ends before
+    the next one is admitted: the order of the answers is the order of admission."""
     import asyncio
 
-    server = InProcessServer(Limits(max_tokens=60))
+    server = InProcessServer(Limits(max_tokens=60), faults=True)
 
     async def scenario() -> list[str]:
         done: list[str] = []
@@ -153,7 +155,7 @@ def test_an_urgent_request_overtakes_the_waiting_bulk_ones_on_the_real_engine():
             assert r.status_code == 200, r.text
             done.append(name)
 
-        tasks = [asyncio.create_task(send(f"busy{i}", 0, 60)) for i in range(SLOTS)]
+        tasks = [asyncio.create_task(send(f"busy{i}", 0, 60 - 8 * i)) for i in range(SLOTS)]
         await asyncio.sleep(0.01)
         tasks += [asyncio.create_task(send(f"bulk{i}", 5, 4)) for i in range(3)]
         await asyncio.sleep(0.01)
@@ -162,10 +164,11 @@ def test_an_urgent_request_overtakes_the_waiting_bulk_ones_on_the_real_engine():
         return done
 
     try:
-        done = server.call(scenario())
+        with server.slow_steps(0.005):  # 36+ busy steps take 0.18 s: bulk and urgent arrive long before a slot frees
+            done = server.call(scenario())
     finally:
         server.close()
-    assert done[:SLOTS] == [f"busy{i}" for i in range(SLOTS)] or not any(d.startswith("busy") for d in done[SLOTS:])
+    assert [n for n in done if n.startswith("busy")] == [f"busy{i}" for i in reversed(range(SLOTS))], done
     bulk = [n for n in done if n.startswith("bulk")]
     assert done.index("urgent") < min(done.index(b) for b in bulk), done
     assert bulk == ["bulk0", "bulk1", "bulk2"], done

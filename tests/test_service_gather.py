@@ -13,7 +13,7 @@ import time
 import pytest
 
 from inprocess_app import InProcessServer
-from serving.engine.types import GenerationRequest, SamplingParams
+from serving.engine.types import FinishReason, GenerationRequest, SamplingParams
 from serving.server.config import Limits
 from serving.server.service import TextRequest, TextResult
 
@@ -86,7 +86,9 @@ def test_a_gathered_request_whose_consumer_goes_away_frees_its_slot(server):
 
     async def run() -> int:
         task = asyncio.ensure_future(service.complete(req))
-        while engine.snapshot().get("running", 0) == 0:
+        for _ in range(2000):
+            if engine.snapshot().get("running", 0):
+                break
             await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -97,4 +99,8 @@ def test_a_gathered_request_whose_consumer_goes_away_frees_its_slot(server):
             await asyncio.sleep(0.005)
         return engine.snapshot().get("running", 0)
 
-    assert server.call(run()) == 0
+    before = len(server.finished["generate"])
+    with server.slow_steps(0.005):  # 48 tiny steps could all finish inside one 1 ms poll: 5 ms each
+        assert server.call(run()) == 0
+    stats = server.wait_finished("generate", before)
+    assert stats.finish_reason == FinishReason.CANCELLED and stats.generated_tokens < 48

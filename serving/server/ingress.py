@@ -319,21 +319,6 @@ class Ingress:
     ) -> None:
         """`local`: deployment name -> (ModelSpec, bundle dir) of each colocated model, loaded here."""
         bind_replica_grpc_to_node()
-        import gc as _gc, os as _os, threading as _th, time as _t
-        _acc = {"t": 0.0, "n": [0, 0, 0], "s": 0.0}
-        def _cb(phase, info):
-            if phase == "start":
-                _acc["s"] = _t.perf_counter()
-            else:
-                _acc["t"] += _t.perf_counter() - _acc["s"]; _acc["n"][info["generation"]] += 1
-        _gc.callbacks.append(_cb)
-        if _os.environ.get("KV_GC_FREEZE"):
-            _gc.freeze()
-        def _dump():
-            with open(f"/tmp/gcstats.{_os.getpid()}", "a") as f:
-                while True:
-                    f.write(f"{_t.time():.1f} {_acc['t']:.4f} {_acc['n']} {len(_gc.get_objects())}\n"); f.flush(); _t.sleep(1)
-        _th.Thread(target=_dump, daemon=True).start()
         tracing.configure()  # on when an OTLP endpoint is configured (serving/server/tracing.py)
         self.args, self.tasks, self.routes, self.handles = AppArgs.model_validate(args), tasks, routes, handles
         self.drain = Drain()
