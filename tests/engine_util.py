@@ -2,9 +2,23 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from serving.engine.engine import Engine
 from serving.engine.types import FinishReason, GenerationRequest, TokenEvent
+
+
+def slow_steps(engine: Engine, seconds: float) -> Engine:
+    """Every step of this engine's runtime takes `seconds` longer (on the step thread, as a slow ONNX Runtime call
+    would): a tiny model's steps take ~30 us on a fast machine, so a test that must act in the middle of a request
+    holds them."""
+    step = engine.runtime.step
+
+    def slow_step(*a, **kw):
+        time.sleep(seconds)
+        return step(*a, **kw)
+    engine.runtime.step = slow_step  # instance attribute: this engine's runtime only
+    return engine
 
 
 async def collect(handle) -> list[TokenEvent]:

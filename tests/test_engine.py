@@ -11,7 +11,7 @@ import pytest
 
 from bench.gpu_check.engine import mixed_requests as gpu_check_requests
 from engine_bundle import cached_bundle
-from engine_util import collect, outcome, run_all, run_alone, tokens
+from engine_util import collect, outcome, run_all, run_alone, slow_steps, tokens
 from model.decode import greedy_translate_ids
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
@@ -109,13 +109,7 @@ async def test_admission_beyond_the_bound_is_rejected_at_once_and_accepted_reque
 
 
 async def test_deadlines_finish_with_deadline_after_the_tokens_so_far():
-    eng = await started(engine())
-    orig_step = eng.runtime.step
-
-    def slow_step(*a, **kw):
-        time.sleep(0.02)
-        return orig_step(*a, **kw)
-    eng.runtime.step = slow_step  # instance attribute: this engine's runtime only
+    eng = await started(slow_steps(engine(), 0.02))
     now = time.monotonic()
     late = GenerationRequest("late", [1, 5], SamplingParams(max_new_tokens=60, ignore_eos=True), deadline=now + 0.3)
     past = GenerationRequest("past", [1, 5], SamplingParams(max_new_tokens=5), deadline=now - 1)
@@ -129,14 +123,7 @@ async def test_deadlines_finish_with_deadline_after_the_tokens_so_far():
 
 
 async def test_tokens_stream_while_the_request_runs_and_a_dropped_stream_cancels():
-    eng = engine()
-    step = eng.runtime.step
-
-    def slow_step(*a, **kw):  # 50 tiny steps could all finish before the consumer first runs: 5 ms each
-        time.sleep(0.005)
-        return step(*a, **kw)
-    eng.runtime.step = slow_step
-    await eng.start()
+    eng = await started(slow_steps(engine(), 0.005))  # else 50 tiny steps could end before the consumer first runs
     stats = []
     eng.add_observer(None, stats.append)
     h = eng.submit(GenerationRequest("s", [1, 8], SamplingParams(max_new_tokens=50, ignore_eos=True)))

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine_bundle import cached_bundle
-from engine_util import collect, outcome, run_all, run_alone, tokens
+from engine_util import collect, outcome, run_all, run_alone, slow_steps, tokens
 from step_faults import StepFaults
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
@@ -142,12 +142,7 @@ async def test_a_hung_step_reaches_http_clients_as_retryable_503s_and_error_even
     from local_backend import LocalBackend
 
     eng, faults = faulty_engine(step_timeout_s=0.3)
-    faulty_step = eng.runtime.step
-
-    def slow_step(*a, **kw):  # a tiny model's whole request takes ~15 ms: both requests must overlap
-        time.sleep(0.005)
-        return faulty_step(*a, **kw)
-    eng.runtime.step = slow_step
+    slow_steps(eng, 0.005)  # a tiny model's whole request takes ~15 ms: both requests must overlap
     await eng.start()
     steps = []
 
