@@ -33,6 +33,7 @@ from loadtest.workloads import Inputs, load_inputs, request_body, source_index
 MODEL = "translate"
 BYPASS = {"Cache-Control": "no-cache"}
 DECODES = {"greedy": 1, "beam 4": 4}  # name -> beam_size
+STEP_SECONDS = "kvserve_engine_step_duration_seconds_sum"  # the engine steps' own time
 
 
 def cache_config(artifacts: Path, port: int, entries: int) -> dict[str, Any]:
@@ -101,8 +102,9 @@ def measure(url: str, texts: Inputs, rounds: int, seconds: float, connections: i
         hits = run_wrk(url, "/v1/translate", unique, connections, seconds, offset=0)
         print(f"bench cache {name:7s} all hits {hits['requests_per_s']:7.1f} req/s", file=sys.stderr, flush=True)
         rates = {k: [r["requests_per_s"] for r in v] for k, v in runs.items()}
+        gains = [c / b for c, b in zip(rates["cached"], rates["bypassed"], strict=True)]
         out[name] = {**{k: [round(x, 1) for x in v] for k, v in rates.items()},
-                     "gain": round(statistics.median(c / b for c, b in zip(rates["cached"], rates["bypassed"], strict=True)), 2),
+                     "gain": round(statistics.median(gains), 2),
                      "all_hits": round(hits["requests_per_s"], 1),
                      "wrapped": wrapped,
                      "errors": sum(r["errors"] for v in runs.values() for r in v) + hits["errors"],
@@ -113,12 +115,17 @@ def measure(url: str, texts: Inputs, rounds: int, seconds: float, connections: i
 
 def engine_rates(before: Snapshot, after: Snapshot, seconds: float) -> dict[str, float] | None:
     """The translator's engine over one run, from the server's exact counters: steps per second (the engine steps
-    all the time under this load, so fewer steps mean slower ones) and tokens per step (how full the steps were)."""
+    all the time under this load, so fewer steps mean slower ones), tokens per step (how full the steps were) and
+    the mean step's own duration in ms (ONNX Runtime and the step's Python; what is left of 1/steps_per_s is the
+    time between steps: scheduling, hand-overs, the engine lock)."""
     if before.error or after.error:
         return None
     steps = (after.total(STEPS, model=MODEL) or 0.0) - (before.total(STEPS, model=MODEL) or 0.0)
     tokens = (after.total(GENERATED, model=MODEL) or 0.0) - (before.total(GENERATED, model=MODEL) or 0.0)
-    return {"steps_per_s": steps / seconds, "tokens_per_step": tokens / steps} if steps > 0 else None
+    spent = (after.total(STEP_SECONDS, model=MODEL) or 0.0) - (before.total(STEP_SECONDS, model=MODEL) or 0.0)
+    if steps <= 0:
+        return None
+    return {"steps_per_s": steps / seconds, "tokens_per_step": tokens / steps, "step_ms": 1000 * spent / steps}
 
 
 def _median_rates(rates: list[dict[str, float] | None]) -> dict[str, float] | None:
@@ -129,14 +136,16 @@ def _median_rates(rates: list[dict[str, float] | None]) -> dict[str, float] | No
 def markdown(result: dict[str, Any]) -> list[str]:
     """The figures as a table (the bench doc's section 7 and `python -m bench.cache`)."""
     lines = ["| requests | bypassed, req/s | cached, req/s | gain (median) | every request a hit, req/s | engine "
-             "steps/s, bypassed / cached | tokens per step, bypassed / cached |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "steps/s, bypassed / cached | ms per step, bypassed / cached | tokens per step, bypassed / cached |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["decodes"].items():
         eng = r.get("engine") or {}
         by, ca = eng.get("bypassed") or {}, eng.get("cached") or {}
         steps = f"{by['steps_per_s']:.0f} / {ca['steps_per_s']:.0f}" if by and ca else "n/a"
         fill = f"{by['tokens_per_step']:.1f} / {ca['tokens_per_step']:.1f}" if by and ca else "n/a"
+        own = f"{by['step_ms']:.2f} / {ca['step_ms']:.2f}" if by.get("step_ms") and ca.get("step_ms") else "n/a"
         lines.append(f"| {name} | {', '.join(map(str, r['bypassed']))} | {', '.join(map(str, r['cached']))} | "
-                     f"{r['gain']:.2f}x | {r['all_hits']} | {steps} | {fill} |")
+                     f"{r['gain']:.2f}x | {r['all_hits']} | {steps} | {own} | {fill} |")
     if any(r["wrapped"] for r in result["decodes"].values()):
         lines += ["", f"A run sent every prepared request and started over ({result['inputs']}): more than half of "
                       "its requests repeated an earlier one."]
