@@ -7,7 +7,8 @@ import pytest
 from export.bundle import load_bundle
 from kvserve.export import ExportError, build_bundle, register
 from export.evaluate import greedy_decode
-from export.parity import FP32_TOLERANCE, SYNTHETIC_BATCHES, TorchRuntime, lockstep, synthetic_inputs
+from export.parity import (FP32_TOLERANCE, SYNTHETIC_BATCHES, TorchRuntime, identical_by_prefix, lockstep,
+                           synthetic_inputs)
 from export.variants import count_ops
 from export_once import shared_exports
 from model.checkpoint import load_checkpoint
@@ -190,5 +191,12 @@ def test_parity_command_runs_the_bundle_through_ort_against_pytorch(bundles, tas
     assert r["lockstep"]["logits_max_abs"] <= FP32_TOLERANCE
     assert r["lockstep"]["rows_greedy_identical"] == r["lockstep"]["rows"] > 0
     assert r["greedy"]["identical_fraction"] == 1.0
+    assert set(r["greedy"]["identical_fraction_by_tokens"].values()) == {1.0}
     delta = r["quality"]["chrf_delta"] if task == "translate" else r["quality"]["bpc_delta"]
     assert abs(delta) <= 1e-3, r["quality"]
+
+
+def test_identical_by_prefix_counts_outputs_alike_up_to_each_length():
+    a = [[5, 6, 7, 8], [5, 6], [1, 2, 3]]
+    b = [[5, 6, 9, 8], [5, 6], [4, 2, 3]]  # the first parts at token 3, the second is the same, the third at 1
+    assert identical_by_prefix(a, b, [1, 2, 3, 8]) == {"1": 0.6667, "2": 0.6667, "3": 0.3333, "8": 0.3333}
