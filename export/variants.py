@@ -6,8 +6,8 @@ products with exact int32 sums (ONNX Runtime's `MatMulIntegerToFloat`, MLAS's u8
 than ORT's float32 MatMul at 32 rows on a 256-wide model, where its `MatMulNBits` 8-bit kernel was no faster
 than float32). Per-row scales keep a row's result independent of the other rows of its batch, which the
 continuous engine relies on (a request's tokens must not depend on what else runs); ORT's dynamic
-quantization (`quantize_dynamic`) scales activations per tensor and breaks that (max |logit difference| 0.054
-for a prompt alone vs in an 8-row batch): it stays available as the `int8-dynamic` variant.
+quantization (`quantize_dynamic`) scales activations per tensor and breaks that (a prompt's logits alone and in
+an 8-row batch differ: docs/bundle.md): it stays available as the `int8-dynamic` variant.
 Also owns the structural check of fp16 graphs
 (every float initializer, input and output is float16). fp16 graphs themselves are exported straight from
 the half-precision PyTorch model (export/onnx_export.py, float_dtype="float16"), so the attention mask uses
