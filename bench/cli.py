@@ -335,6 +335,7 @@ def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] |
           threads: int | None = None, render_only: bool = False, readme: Path | None = None) -> int:
     """Run `sections` (default all), write the doc and, given `readme`, the README's figures from it (and its
     models table from published/: bench/readme.py); 0 when every section in the doc succeeded."""
+    from bench import cpu_kinds
     from bench.compute import machine
     from bench.report import render
 
@@ -356,10 +357,15 @@ def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] |
         elapsed = sum(r.get("elapsed_s", 0.0) for r in results.values())
     # the doc names the commits its sections measured (saved ones may be older than this checkout)
     measured_on["git"] = ", ".join(sorted({r["git"] for r in results.values() if r.get("git")})) or measured_on["git"]
+    # this machine's kind gets the figures measured now; the ledger keeps every other kind's (bench/cpu_kinds.py)
+    ledger_path = out.parent / cpu_kinds.LEDGER
+    ledger = cpu_kinds.update(cpu_kinds.load(ledger_path), measured_on,
+                              cpu_kinds.figures({name: results[name] for name in todo if name in results}))
     doc = render({name: results[name] for name in SECTIONS if name in results}, measured_on, asdict(plan),
-                 shlex.join(invocation), elapsed)
+                 shlex.join(invocation), elapsed, ledger)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
+    cpu_kinds.save(ledger_path, ledger)
     print(f"==> wrote {out} ({elapsed / 60:.1f} min)", file=sys.stderr, flush=True)
     if readme is not None:
         from bench.readme import update

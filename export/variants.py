@@ -38,13 +38,12 @@ def quantize_int8(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def rows_int8(model: onnx.ModelProto, float_nodes: frozenset[str] = frozenset()) -> onnx.ModelProto:
+def rows_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every MatMul (and Gemm) with a constant float32 2-D weight becomes int8 x int8 with int32 sums:
     weights symmetric int8 per output column, activations quantized per row at run time (uint8 around 128, the
     row's max |x| -> 127). Each activation is quantized once for all the products that read it, and one zero
     point tensor serves every activation of the same symbolic row shape. A row's int32 sums are exact and its
-    scales its own, so its result does not depend on the other rows of its batch. `float_nodes`: the output
-    names of products to leave in float (bench/int8_fidelity.py measures what that is worth)."""
+    scales its own, so its result does not depend on the other rows of its batch."""
     g = model.graph
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < 21:
@@ -57,7 +56,7 @@ def rows_int8(model: onnx.ModelProto, float_nodes: frozenset[str] = frozenset())
     nodes: list[onnx.NodeProto] = []
     quantized_weights: set[str] = set()
     for n in g.node:
-        w = None if n.output[0] in float_nodes else _constant_weight(n, weights)
+        w = _constant_weight(n, weights)
         if w is None:
             nodes.append(n)
             continue
