@@ -21,8 +21,9 @@ dates are in the doc); a failed section is reported in the doc and makes the exi
 
 Measures nothing itself: each section's module does, and the doc's text is bench/report.py's. Does not
 measure training speed (`kvserve train` prints its own) or model quality (`kvserve evaluate`).
-Owns the plan (the default run takes ~30 minutes on 2 cores; `--quick` is for tests), the artifacts it
-expects, the subprocess commands and the CLI.
+Owns the plan (the default run takes ~30 minutes on 2 cores; `--quick` is for tests), the subprocess commands
+and the CLI; where it finds the artifacts it measures is bench/artifacts.py, the ledger of CPU kinds
+bench/cpu_kinds.py.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.artifacts import Artifacts
 from bench.autoscale import DEFAULT_PHASES as AUTOSCALE_PHASES
 from bench.http import HttpPlan
 from bench.markdown import rel_path as _rel
@@ -45,7 +47,6 @@ from bench.markdown import rel_path as _rel
 SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "autoscale", "cache")
 # http_path: Ray's default data plane and placement (what kvserve ran before choosing), then kvserve serve's
 HTTP_PATH_SERVERS = (("python", "split"), ("haproxy", "split"), ("haproxy", "colocated"))
-WEIGHTS = "model.safetensors"  # a checkpoint's weights file (model/checkpoint.py)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -97,38 +98,6 @@ QUICK = BenchPlan(
     path_tokens=4, breakdown_concurrency=(1, 4), breakdown_rounds=1,
     breakdown_requests_per_client=1, breakdown_max_new=8, autoscale_phases=((1, 3.0), (4, 20.0), (1, 20.0)),
     autoscale_slots=2, cache_rounds=1, cache_seconds=2.0, cache_connections=4)
-
-
-@dataclass(frozen=True)
-class Artifacts:
-    root: Path
-    work: Path
-
-    def bundle(self, name: str) -> Path:
-        return self.root / "bundles" / name
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    def require_bundle(self, name: str) -> Path:
-        b = self.bundle(name)
-        if not (b / "manifest.json").is_file():
-            raise FileNotFoundError(f"bundle {b} is missing (no manifest.json): export it first, e.g. "
-                                    f"`make serve` or `kvserve export published/{name.split('-')[0]} --out {b}`")
-        return b
-
-    def checkpoint_of(self, bundle: Path) -> Path:
-        """The checkpoint a bundle was exported from, checked to hold the very weights (sha256)."""
-        from export.bundle import sha256_file  # torch-free (model.checkpoint would import torch)
-
-        source = json.loads((bundle / "manifest.json").read_text())["source"]
-        for ck in (Path(source["checkpoint"]), self.root / "ckpt" / bundle.name.split("-")[0]):
-            if (ck / WEIGHTS).is_file() and sha256_file(ck / WEIGHTS) == source["weights_sha256"]:
-                return ck
-        raise FileNotFoundError(f"no checkpoint with the weights of bundle {bundle} (sha256 "
-                                f"{source['weights_sha256'][:12]}...): looked at {source['checkpoint']} and "
-                                f"{self.root}/ckpt/{bundle.name.split('-')[0]}; re-export the bundle from its checkpoint")
 
 
 def _run(cmd: list[str], shown: list[str], commands: list[str]) -> str:
@@ -217,18 +186,10 @@ def _variant_bundle(art: Artifacts, task: str, variant: str, commands: list[str]
     or holds other weights (the quality gate is the export's own business: `kvserve export` runs it)."""
     ckpt = art.checkpoint_of(art.require_bundle(task))
     bundle = art.bundle(f"{task}-{variant}")
-    if not _bundle_of(bundle, art, ckpt):
+    if not art.exported_from(bundle, ckpt):
         args = ["export", _rel(ckpt), "--variant", variant, "--out", _rel(bundle), "--force", "--check-sentences", "0"]
         _run([sys.executable, "-m", "kvserve.cli", *args], ["kvserve", *args], commands)
     return bundle
-
-
-def _bundle_of(bundle: Path, art: Artifacts, ckpt: Path) -> bool:
-    """`bundle` exists and was exported from the weights in `ckpt`."""
-    try:
-        return (bundle / "manifest.json").is_file() and art.checkpoint_of(bundle).resolve() == ckpt.resolve()
-    except FileNotFoundError:
-        return False
 
 
 def section_breakdown(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
@@ -358,14 +319,11 @@ def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] |
     # the doc names the commits its sections measured (saved ones may be older than this checkout)
     measured_on["git"] = ", ".join(sorted({r["git"] for r in results.values() if r.get("git")})) or measured_on["git"]
     # this machine's kind gets the figures measured now; the ledger keeps every other kind's (bench/cpu_kinds.py)
-    ledger_path = out.parent / cpu_kinds.LEDGER
-    ledger = cpu_kinds.update(cpu_kinds.load(ledger_path), measured_on,
-                              cpu_kinds.figures({name: results[name] for name in todo if name in results}))
+    kinds = cpu_kinds.record(out.parent / cpu_kinds.LEDGER, measured_on, {n: results[n] for n in todo if n in results})
     doc = render({name: results[name] for name in SECTIONS if name in results}, measured_on, asdict(plan),
-                 shlex.join(invocation), elapsed, ledger)
+                 shlex.join(invocation), elapsed, kinds)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
-    cpu_kinds.save(ledger_path, ledger)
     print(f"==> wrote {out} ({elapsed / 60:.1f} min)", file=sys.stderr, flush=True)
     if readme is not None:
         from bench.readme import update

@@ -6,8 +6,8 @@ with VNNI and BF16; AMX). Each `kvserve bench` run updates its own kind's entry 
 (translation vs CTranslate2, HTTP over in-process, the engine's share of the matmul peak), each part with its date
 and commit; the other kinds' entries and this kind's unmeasured parts stay as they were.
 
-`kind`, `figures`, `update` and `render` are pure functions of their arguments (tested on made-up results); `load`
-and `save` read and write the ledger. Measures nothing.
+`kind`, `figures`, `update` and `render` are pure functions of their arguments (tested on made-up results); `load`,
+`save` and `record` (what `kvserve bench` calls) read and write the ledger. Measures nothing.
 """
 
 from __future__ import annotations
@@ -107,6 +107,14 @@ def load(path: Path) -> dict[str, Any]:
 
 def save(path: Path, ledger: dict[str, Any]) -> None:
     path.write_text(json.dumps(dict(sorted(ledger.items())), indent=1) + "\n")
+
+
+def record(path: Path, machine: dict[str, Any], sections: dict[str, dict[str, Any]]) -> list[str]:
+    """Update the ledger at `path` with the sections measured now on this machine; its section of the report."""
+    ledger = update(load(path), machine, figures(sections))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save(path, ledger)
+    return render(ledger)
 
 
 def _when(part: dict[str, Any]) -> str:

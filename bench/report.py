@@ -339,8 +339,8 @@ def _summary(sections: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: dict[str, Any], invocation: str,
-           elapsed_s: float | None, cpu_kinds: dict[str, Any] | None = None) -> str:
-    """`cpu_kinds`: the ledger of every CPU kind's headline figures (bench/cpu_kinds.py), shown after the machine."""
+           elapsed_s: float | None, cpu_kinds: list[str] | None = None) -> str:
+    """`cpu_kinds`: the section of every CPU kind's headline figures (bench/cpu_kinds.py), shown after the machine."""
     took = f", {elapsed_s / 60:.1f} min" if elapsed_s is not None else ""
     from bench.glance import glance
     from bench.readme import markers
@@ -352,10 +352,7 @@ def render(sections: dict[str, dict[str, Any]], machine: dict[str, Any], plan: d
            "medians, ratios): absolute figures belong to this machine, the ratios are the result.", "",
            "## At a glance", "", begin, *glance(sections, machine, invocation), end, "",
            *_summary(sections), *_machine(machine)]
-    if cpu_kinds is not None:
-        from bench.cpu_kinds import render as render_cpu_kinds
-
-        out += render_cpu_kinds(cpu_kinds)
+    out += cpu_kinds or []
     if "http" in sections:
         out += render_http(sections["http"], sections.get("inprocess"))
     if "http_path" in sections:

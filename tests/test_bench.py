@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.cli import SECTIONS, Artifacts, bench
+from bench.artifacts import Artifacts
+from bench.cli import SECTIONS, bench
 from bench.compute import flops_per_token, matmul_weights_per_token, peak_gemm, workload_flops
 from bench.markdown import t
 from bench.report import render
