@@ -152,9 +152,9 @@ def render(ledger: dict[str, Any]) -> list[str]:
         t, h, m = e.get("translate"), e.get("http"), e.get("matmul_peak")
         wrk = h.get("wrk", {}) if h else {}
         http = " / ".join(f"{wrk[k]:.2f}" for k in ("streaming", "non-streaming") if k in wrk) or "-"
-        when = "; ".join(
-            f"{name} {_when(part)}" for name, part in (("translation", t), ("HTTP", h), ("peak", m)) if part
-        )
+        parts = [(name, _when(part)) for name, part in (("translation", t), ("HTTP", h), ("peak", m)) if part]
+        whens = {w for _, w in parts}
+        when = whens.pop() if len(whens) == 1 else "; ".join(f"{name} {w}" for name, w in parts)
         peak = f"{100 * m['one_core']:.1f}%" if m else "-"
         out.append(
             f"| {key} ({e.get('logical_cpus')}; {flags}) | {_translate(t, 'fp32')} | {_translate(t, 'int8')} | "

@@ -64,6 +64,10 @@ def test_the_report_shows_one_row_per_kind_with_its_dates_and_commits(tmp_path):
     epyc, xeon = sorted(rows)
     assert epyc.startswith("| AMD EPYC, AVX-512 VNNI BF16 (2; AVX2, AVX-512, VNNI, BF16) |")
     assert "0.50x" in epyc and "1.25x" in epyc and "| - | - |" in epyc  # no HTTP, no peak measured there
-    assert "translation 2026-01-01, old111" in epyc and "HTTP" not in epyc.split("|")[-2]
-    assert "| 0.55 / 0.75 |" in xeon and "AMX" in xeon and "peak 2026-01-01, old111" in xeon
+    assert epyc.endswith("| 2026-01-01, old111 |")  # one date and commit for every part measured
+    assert "| 0.55 / 0.75 |" in xeon and "AMX" in xeon and xeon.endswith("| 2026-01-01, old111 |")
+    key = "Intel Xeon, AMX"
+    mixed = {**ledger, key: {**ledger[key], "matmul_peak": {**ledger[key]["matmul_peak"], "git": "new222"}}}
+    row = next(line for line in cpu_kinds.render(mixed) if line.startswith("| Intel Xeon"))
+    assert row.endswith("| translation 2026-01-01, old111; HTTP 2026-01-01, old111; peak 2026-01-01, new222 |")
     assert "## CPU kinds" not in render(_bench_sections(), MACHINE, {}, "kvserve bench", 60.0)
