@@ -20,7 +20,7 @@ from bench.markdown import x
 from bench.report_http import http_ratios
 
 LEDGER = "cpu_kinds.json"
-# the flags that change which kernels ONNX Runtime and CTranslate2 run, as /proc/cpuinfo names them
+# how the table names the flags machines record (model/provenance.py CPU_FLAGS, fma left out: every AVX2 CPU has it)
 FLAG_NAMES = {
     "avx2": "AVX2",
     "avx512f": "AVX-512",
@@ -28,15 +28,13 @@ FLAG_NAMES = {
     "avx_vnni": "AVX-VNNI",
     "avx512_bf16": "BF16",
     "amx_tile": "AMX",
-    "amx_int8": "AMX-INT8",
-    "amx_bf16": "AMX-BF16",
 }
 
 
 def isa(flags: list[str]) -> str:
     """The instruction-set class of a CPU: the one that picks its matmul kernels."""
     f = set(flags)
-    if "amx_tile" in f or "amx_int8" in f:
+    if "amx_tile" in f:
         return "AMX"
     if "avx512f" in f:
         return "AVX-512" + (" VNNI" if "avx512_vnni" in f else "") + (" BF16" if "avx512_bf16" in f else "")
