@@ -98,9 +98,15 @@ def test_multi_token_steps_on_rows_with_and_without_a_cache_match_pytorch(bundle
         np.testing.assert_allclose(rt.step(start, x, lens, wpos), ref.step(start, x, lens, wpos), atol=1e-4, rtol=0)
 
 
+# a beam reorder with overlap (0 -> 1, 1 -> 2, 2 -> 0 and a duplicate 0 -> 4), and compaction moves (disjoint
+# sources and destinations, which the CPU copies row by row in place)
+MOVES = {"overlapping": ([0, 1, 2, 0], [1, 2, 0, 4]), "disjoint": ([4, 3], [0, 2])}
+
+
+@pytest.mark.parametrize("moves", sorted(MOVES))
 @pytest.mark.parametrize("live", [False, True], ids=["whole-rows", "live-prefix"])
 @pytest.mark.parametrize("task", ["translate", "generate"])
-def test_copy_slots_overlapping_moves_whole_rows(bundles, task, live):
+def test_copy_slots_moves_whole_rows(bundles, task, live, moves):
     """Whole rows (the copy graph) or, given the live length, only the live cache positions (numpy on CPU)."""
     b = load_bundle(bundles[task])
     ck = load_checkpoint(checkpoint_of(bundles[task]))
@@ -116,21 +122,22 @@ def test_copy_slots_overlapping_moves_whole_rows(bundles, task, live):
         r.step(0, prefix, np.full(5, prefix.shape[1]), np.zeros(5, np.int64))
         g = np.random.default_rng(1)
     before = [a.copy() for a in rt.read_cache(1)]
-    # a beam reorder with overlap: 0 -> 1, 1 -> 2, 2 -> 0 and a duplicate 0 -> 4
+    src, dst = MOVES[moves]
+    kept = [s for s in range(5) if s not in dst]
     n_live = prefix.shape[1]
-    rt.copy_slots([0, 1, 2, 0], [1, 2, 0, 4], length=n_live if live else None)
+    rt.copy_slots(src, dst, length=n_live if live else None)
     after = rt.read_cache(1)
     upto = n_live if live else None
     for a, bf in zip(after, before):
-        np.testing.assert_array_equal(a[[1, 2, 0, 4], :, :upto], bf[[0, 1, 2, 0], :, :upto])
-        np.testing.assert_array_equal(a[3], bf[3])
+        np.testing.assert_array_equal(a[dst, :, :upto], bf[src, :, :upto])
+        np.testing.assert_array_equal(a[kept], bf[kept])
     # stepping the copies gives the logits the source slots give in PyTorch (cross keys/values and source
     # lengths moved with the rows)
     pos = np.full(5, prefix.shape[1], np.int64)
     nxt = np.full((5, 1), 7, np.int64)
     want = ref.step(0, nxt, np.ones(5, np.int64), pos)
     got = rt.step(0, nxt, np.ones(5, np.int64), pos)
-    np.testing.assert_allclose(got[[1, 2, 0, 4, 3]], want[[0, 1, 2, 0, 3]], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got[dst + kept], want[src + kept], atol=1e-4, rtol=0)
 
 
 def test_step_and_encode_reject_bad_arguments_with_clear_messages(bundles):

@@ -301,7 +301,10 @@ class Engine:
         else:
             st.gaps.append(now - st.last_token)
         st.last_token = now
-        self._outbox.emit(st.handle.put, TokenEvent(seq.request_id, token, logprob=logprob, top_logprobs=top))
+        if info is None:
+            self._outbox.emit(st.handle.put_token, token)
+        else:
+            self._outbox.emit(st.handle.put, TokenEvent(seq.request_id, token, logprob=logprob, top_logprobs=top))
         if check_stop and len(st.tokens) >= st.req.params.max_new_tokens:
             self._finish(seq, FinishReason.LENGTH, now)
 

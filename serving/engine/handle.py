@@ -40,6 +40,11 @@ class RequestHandle:
         if event.finish_reason is not None and self._all is not None and not self._all.done():
             self._all.set_result(self._held)
 
+    def put_token(self, token: int) -> None:
+        """The engine's side: a token with nothing else to say, its event built here, on the event loop (which runs
+        while the next step computes) rather than on the step thread."""
+        self.put(TokenEvent(self.request_id, token))
+
     def __aiter__(self) -> AsyncGenerator[TokenEvent, None]:
         return self._events()
 

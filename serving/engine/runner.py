@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Protocol
 
 import numpy as np
@@ -62,6 +63,8 @@ class RequestState:
     # anything beyond picking a token: log-probabilities, forced tokens or adjusted logits (`_Extras`)
     extra: bool = False
     rng: np.random.Generator | None = None
+    # plain greedy with nothing extra: its token is the batched argmax, with no per-row work at all
+    just_argmax: bool = field(init=False)
     beam: BeamSearch | None = None
     beam_tokens: np.ndarray | None = None  # each beam's newest token (fed at the next step)
     tokens: list[int] = field(default_factory=list)
@@ -69,6 +72,9 @@ class RequestState:
     first_token: float | None = None
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.just_argmax = self.plain and not self.extra
 
     def generator(self) -> np.random.Generator:
         """Its random generator: every request that is neither plain greedy nor a beam search has one."""
@@ -197,6 +203,12 @@ class StepRunner:
 
     def _pick_decode(self, logits: np.ndarray, rows: list[Sequence], out: StepResult) -> None:
         raw = self._ban(logits)
+        out.decode_tokens = len(rows)
+        if all(s.payload.just_argmax and s.phase is not Phase.HELD for s in rows):  # the common case
+            tokens = greedy(logits)
+            self.last[: len(rows)] = tokens
+            out.tokens = list(zip(rows, tokens.tolist(), repeat(None)))
+            return
         extras = _Extras(
             logits, [(r, s.payload) for r, s in enumerate(rows) if s.phase != Phase.HELD and s.payload.extra]
         )
@@ -226,7 +238,6 @@ class StepRunner:
         self.last[: len(rows)] = tokens  # held rows (static batch) feed junk, which nothing reads
         for seq in out.beams:
             self.last[seq.slots] = seq.payload.beam_tokens
-        out.decode_tokens = len(rows)
 
     def _advance_beam(self, seq: Sequence, logits: np.ndarray, reorder: bool = True) -> None:
         """One beam step; beam i's KV slot gets its parent's cache (a slot copy, before the next step)."""

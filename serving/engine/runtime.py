@@ -149,16 +149,16 @@ class ModelRuntime:
         row of `sources` each slot from `start` on gets; None: one row each, in order."""
         io, held = source_binding(encoder, sources, self.pad_id)
         n, width = held[0].shape
-        out = {
-            name: np.empty((n, buf.shape[1], width, buf.shape[3]), self._dtype) for name, buf in self._cross_kv.items()
-        }
-        for name, arr in out.items():
-            io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        heads, dim = next(iter(self._cross_kv.values())).shape[1::2]  # every cross buffer: (slots, heads, W, dim)
+        out = np.empty((len(self._cross_kv), n, heads, width, dim), self._dtype)  # one block for every output
+        base, shape = out.ctypes.data, [n, heads, width, dim]
+        for i, name in enumerate(self._cross_kv):
+            io.bind_output(name, "cpu", 0, out.dtype, shape, base + i * out.strides[0])
         encoder.run_with_iobinding(io)
         del held
         rows = n if index is None else len(index)
-        for name, arr in out.items():
-            self._cross_kv[name].host_array()[start : start + rows, :, :width] = arr if index is None else arr[index]
+        for buf, arr in zip(self._cross_kv.values(), out, strict=True):
+            buf.host_array()[start : start + rows, :, :width] = arr if index is None else arr[index]
 
     def _encode_on_device(self, encoder: ort.InferenceSession, io: ort.IOBinding, start: int, n: int) -> None:
         for name in self._cross_kv:
@@ -307,10 +307,19 @@ class ModelRuntime:
         if length is not None and self._device == "cpu":
             live = slice(0, max(0, min(int(length), self.max_len)))
             src_max = int(self._src_len[src_a].max())
-            for host in (buf.host_array() for buf in self._self_kv.values()):
-                host[dst_a, :, live] = host[src_a, :, live]  # fancy-indexed source: a copy first
-            for host in (buf.host_array() for buf in self._cross_kv.values()):
-                host[dst_a, :, :src_max] = host[src_a, :, :src_max]
+            pairs = list(zip(src_a.tolist(), dst_a.tolist(), strict=True))
+            if set(src_a.tolist()).isdisjoint(dst_a.tolist()):  # compaction moves: each row copied in place once
+                for host in (buf.host_array() for buf in self._self_kv.values()):
+                    for s, d in pairs:
+                        host[d, :, live] = host[s, :, live]
+                for host in (buf.host_array() for buf in self._cross_kv.values()):
+                    for s, d in pairs:
+                        host[d, :, :src_max] = host[s, :, :src_max]
+            else:  # a beam reorder (a permutation): the fancy-indexed source is copied out first, so overlap is safe
+                for host in (buf.host_array() for buf in self._self_kv.values()):
+                    host[dst_a, :, live] = host[src_a, :, live]
+                for host in (buf.host_array() for buf in self._cross_kv.values()):
+                    host[dst_a, :, :src_max] = host[src_a, :, :src_max]
             self._src_len[dst_a] = self._src_len[src_a]
             return
         io = self._copy.io_binding()

@@ -39,7 +39,7 @@ def is_plain_sampling(params: SamplingParams) -> bool:
 
 def greedy(logits: np.ndarray) -> np.ndarray:
     """(n, V) -> (n,) int64 argmax per row (first index on ties)."""
-    return np.argmax(logits, axis=1).astype(np.int64)
+    return np.argmax(logits, axis=1).astype(np.int64, copy=False)
 
 
 def apply_repetition_penalty(row: np.ndarray, history: np.ndarray, penalty: float) -> np.ndarray:

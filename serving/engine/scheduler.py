@@ -191,8 +191,8 @@ class Scheduler:
         if self.knobs.batching != BatchingMode.REQUEST or not any(s.phase != Phase.HELD for s in self.running):
             for s in [s for s in self.running if s.phase == Phase.HELD]:  # mode changed under a batch
                 self._release(s)
-        plan.moves = self._compact()
-        plan.decode_rows = self.decode_slots
+        plan.decode_rows = self.decode_slots  # compaction moves rows, it does not change how many
+        plan.moves = self._compact(plan.decode_rows)
         plan.prefill_start = plan.decode_rows
         if self.knobs.batching == BatchingMode.CONTINUOUS:
             self._admit_continuous(plan, now)
@@ -215,7 +215,7 @@ class Scheduler:
                 self._dequeue(s)
                 s.phase = Phase.DONE
                 plan.finished.append((s, reason))
-        for s in list(self.running):
+        for s in [s for s in self.running if s.cancelled or s.deadline is not None]:  # most can end no other way
             if s.phase != Phase.HELD and (reason := expired(s)) is not None:
                 plan.finished.append((s, reason))
                 self.finish(s, now)
@@ -224,9 +224,8 @@ class Scheduler:
         self.waiting.remove(s)
         self._waiting_tokens -= s.work_tokens()
 
-    def _compact(self) -> list[list[tuple[int, int]]]:
-        """Move live decode slots into holes below D, then the chunked-prefill row to slot D."""
-        d = self.decode_slots
+    def _compact(self, d: int) -> list[list[tuple[int, int]]]:
+        """Move live decode slots into holes below `d` (the decode slots), then the chunked-prefill row to slot d."""
         partial = [s for s in self.running if s.phase == Phase.PREFILL]
         assert len(partial) <= 1 and all(x >= d for s in partial for x in s.slots), "layout invariant"
         holes = [i for i in range(d) if self.owner[i] is None]
