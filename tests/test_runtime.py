@@ -272,3 +272,32 @@ def test_a_source_given_several_times_is_encoded_once_into_each_of_its_slots(bun
     x = g.integers(4, 200, (6, 1)).astype(np.int64)
     ones, pos = np.ones(6, np.int64), np.zeros(6, np.int64)
     np.testing.assert_allclose(rt.step(0, x, ones, pos), ref.step(0, x, ones, pos), atol=1e-4, rtol=0)
+
+
+def test_many_sources_are_encoded_in_calls_of_a_few_shortest_first(bundles, monkeypatch):
+    """More distinct sources than `MOST_PER_CALL` (a list of texts in one request): calls of at most that many,
+    shortest first, each slot with the cross keys/values of encoding its source alone, PyTorch's logits."""
+    ck = load_checkpoint(checkpoint_of(bundles["translate"]))
+    n = 20
+    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=n + 1, provider="cpu")
+    ref = TorchRuntime(ck.model, n + 1, ck.tokenizer.special_ids)
+    g = np.random.default_rng(11)
+    distinct = [g.integers(4, 200, int(k)).tolist() for k in g.integers(1, 30, 17)]
+    sources = distinct + [distinct[3], list(distinct[0]), distinct[16]]  # 17 distinct among 20
+    calls: list[int] = []
+    run = ort.InferenceSession.run_with_iobinding
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding",
+                        lambda self, io, *r: (calls.append(len(self.get_inputs())), run(self, io, *r))[1])
+    rt.encode(1, sources)
+    assert len(calls) == 3  # 8 + 8 + 1
+    alone = ModelRuntime(load_bundle(bundles["translate"]), n_slots=n + 1, provider="cpu")
+    for i, s in enumerate(sources):
+        alone.encode(1 + i, [s])
+    for name, buf in rt._cross_kv.items():
+        for i, s in enumerate(sources):
+            np.testing.assert_allclose(buf.host_array()[1 + i, :, : len(s)],
+                                       alone._cross_kv[name].host_array()[1 + i, :, : len(s)], atol=1e-5, rtol=0)
+    ref.encode(1, sources)
+    x = g.integers(4, 200, (n, 1)).astype(np.int64)
+    ones, pos = np.ones(n, np.int64), np.zeros(n, np.int64)
+    np.testing.assert_allclose(rt.step(1, x, ones, pos), ref.step(1, x, ones, pos), atol=1e-4, rtol=0)

@@ -37,7 +37,7 @@ from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visib
 from serving.engine.runtime_checks import check_copy, check_rows, check_source_lengths, check_step
 from serving.engine.sessions import check_session_io, execution_providers, open_session
 from serving.engine.slots import SlotBuffer, slot_copy_graph, slot_place_graph
-from serving.engine.sources import distinct_sources, source_binding
+from serving.engine.sources import encoder_calls, source_binding
 
 CROSS_WIDTH_STEP = 16  # the cross buffers' source axis grows and shrinks in steps of this many positions
 
@@ -134,8 +134,8 @@ class ModelRuntime:
             self._src_len[start : start + n] = 0  # these rows are about to be overwritten: nothing to keep
             self._fit_cross_width(max(int(lens.max()), int(self._src_len.max())))
         if self._device == "cpu":  # into host arrays, then numpy copies into the slot rows: no placement graph
-            distinct, index = distinct_sources(sources)
-            self._encode_on_host(encoder, distinct, start, index)
+            for call, slots, take in encoder_calls(sources):
+                self._encode_on_host(encoder, call, start, slots, take)
         else:
             io, held = source_binding(encoder, sources, self.pad_id)
             self._encode_on_device(encoder, io, start, n)
@@ -143,10 +143,16 @@ class ModelRuntime:
         self._src_len[start : start + n] = lens
 
     def _encode_on_host(
-        self, encoder: ort.InferenceSession, sources: list[list[int]], start: int, index: np.ndarray | None
+        self,
+        encoder: ort.InferenceSession,
+        sources: list[list[int]],
+        start: int,
+        slots: np.ndarray | None,
+        take: np.ndarray | None,
     ) -> None:
-        """(A batch-1 encode spent a quarter of its time binding and running the placement graph.) `index`: the
-        row of `sources` each slot from `start` on gets; None: one row each, in order."""
+        """(A batch-1 encode spent a quarter of its time binding and running the placement graph.) `slots`: the
+        slots (from `start`) this call fills, None: start, start+1, ...; `take`: the row of `sources` each of them
+        gets, None: one row each, in order (serving/engine/sources.py `encoder_calls`)."""
         io, held = source_binding(encoder, sources, self.pad_id)
         n, width = held[0].shape
         heads, dim = next(iter(self._cross_kv.values())).shape[1::2]  # every cross buffer: (slots, heads, W, dim)
@@ -156,9 +162,10 @@ class ModelRuntime:
             io.bind_output(name, "cpu", 0, out.dtype, shape, base + i * out.strides[0])
         encoder.run_with_iobinding(io)
         del held
-        rows = n if index is None else len(index)
+        rows = n if take is None else len(take)
+        dst = slice(start, start + rows) if slots is None else start + slots
         for buf, arr in zip(self._cross_kv.values(), out, strict=True):
-            buf.host_array()[start : start + rows, :, :width] = arr if index is None else arr[index]
+            buf.host_array()[dst, :, :width] = arr if take is None else arr[take]
 
     def _encode_on_device(self, encoder: ort.InferenceSession, io: ort.IOBinding, start: int, n: int) -> None:
         for name in self._cross_kv:
