@@ -256,9 +256,9 @@ def test_a_source_given_several_times_is_encoded_once_into_each_of_its_slots(bun
     a, b = g.integers(4, 200, 7).tolist(), g.integers(4, 200, 4).tolist()
     sources = [a, a, a, b, list(a), b]
     encoded: list[int] = []
-    run = ort.InferenceSession.run_with_iobinding
-    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding",
-                        lambda self, io, *r: (encoded.append(len(self.get_inputs())), run(self, io, *r))[1])
+    run = ort.InferenceSession.run  # the CPU's encoder calls (serving/engine/runtime.py `_encode_on_host`)
+    monkeypatch.setattr(ort.InferenceSession, "run",
+                        lambda self, *a, **k: (encoded.append(len(self.get_inputs())), run(self, *a, **k))[1])
     rt.encode(0, sources)
     assert len(encoded) == 1
     alone = ModelRuntime(load_bundle(bundles["translate"]), n_slots=6, provider="cpu")
@@ -285,9 +285,9 @@ def test_many_sources_are_encoded_in_calls_of_a_few_shortest_first(bundles, monk
     distinct = [g.integers(4, 200, int(k)).tolist() for k in g.integers(1, 30, 17)]
     sources = distinct + [distinct[3], list(distinct[0]), distinct[16]]  # 17 distinct among 20
     calls: list[int] = []
-    run = ort.InferenceSession.run_with_iobinding
-    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding",
-                        lambda self, io, *r: (calls.append(len(self.get_inputs())), run(self, io, *r))[1])
+    run = ort.InferenceSession.run  # the CPU's encoder calls
+    monkeypatch.setattr(ort.InferenceSession, "run",
+                        lambda self, *a, **k: (calls.append(len(self.get_inputs())), run(self, *a, **k))[1])
     rt.encode(1, sources)
     assert len(calls) == 3  # 8 + 8 + 1
     alone = ModelRuntime(load_bundle(bundles["translate"]), n_slots=n + 1, provider="cpu")

@@ -37,7 +37,7 @@ from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visib
 from serving.engine.runtime_checks import check_copy, check_rows, check_source_lengths, check_step
 from serving.engine.sessions import check_session_io, execution_providers, open_session
 from serving.engine.slots import SlotBuffer, slot_copy_graph, slot_place_graph
-from serving.engine.sources import encoder_calls, source_binding
+from serving.engine.sources import encoder_calls, encoder_inputs, source_binding
 
 CROSS_WIDTH_STEP = 16  # the cross buffers' source axis grows and shrinks in steps of this many positions
 
@@ -150,18 +150,13 @@ class ModelRuntime:
         slots: np.ndarray | None,
         take: np.ndarray | None,
     ) -> None:
-        """(A batch-1 encode spent a quarter of its time binding and running the placement graph.) `slots`: the
-        slots (from `start`) this call fills, None: start, start+1, ...; `take`: the row of `sources` each of them
-        gets, None: one row each, in order (serving/engine/sources.py `encoder_calls`)."""
-        io, held = source_binding(encoder, sources, self.pad_id)
-        n, width = held[0].shape
-        heads, dim = next(iter(self._cross_kv.values())).shape[1::2]  # every cross buffer: (slots, heads, W, dim)
-        out = np.empty((len(self._cross_kv), n, heads, width, dim), self._dtype)  # one block for every output
-        base, shape = out.ctypes.data, [n, heads, width, dim]
-        for i, name in enumerate(self._cross_kv):
-            io.bind_output(name, "cpu", 0, out.dtype, shape, base + i * out.strides[0])
-        encoder.run_with_iobinding(io)
-        del held
+        """(A batch-1 encode spent a quarter of its time binding and running the placement graph; binding the
+        outputs to host arrays by pointer costs more than `run` with ORT's own output buffers.) `slots`: the slots
+        (from `start`) this call fills, None: start, start+1, ...; `take`: the row of `sources` each of them gets,
+        None: one row each, in order (serving/engine/sources.py `encoder_calls`)."""
+        ids, lens = encoder_inputs(sources, self.pad_id)
+        out = encoder.run(list(self._cross_kv), {"src_ids": ids, "src_len": lens})
+        n, width = ids.shape
         rows = n if take is None else len(take)
         dst = slice(start, start + rows) if slots is None else start + slots
         for buf, arr in zip(self._cross_kv.values(), out, strict=True):

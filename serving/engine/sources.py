@@ -46,15 +46,21 @@ def encoder_calls(
     return calls
 
 
-def source_binding(
-    encoder: ort.InferenceSession, sources: list[list[int]], pad_id: int
-) -> tuple[ort.IOBinding, tuple[np.ndarray, ...]]:
-    """The encoder's inputs bound: the sources right-padded to the longest, and their lengths (the arrays returned
-    with the binding, for the caller to hold until the run: a CPU input may be bound by pointer)."""
+def encoder_inputs(sources: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The encoder's inputs: the sources right-padded to the longest (src_ids), and their lengths (src_len)."""
     lens = np.array([len(s) for s in sources], np.int64)
     ids = np.full((len(sources), int(lens.max())), pad_id, np.int64)
     for i, s in enumerate(sources):
         ids[i, : len(s)] = s
+    return ids, lens
+
+
+def source_binding(
+    encoder: ort.InferenceSession, sources: list[list[int]], pad_id: int
+) -> tuple[ort.IOBinding, tuple[np.ndarray, ...]]:
+    """The encoder's inputs bound (`encoder_inputs`; the arrays returned with the binding, for the caller to hold
+    until the run: a CPU input may be bound by pointer)."""
+    ids, lens = encoder_inputs(sources, pad_id)
     io = encoder.io_binding()
     io.bind_cpu_input("src_ids", ids)
     io.bind_cpu_input("src_len", lens)
