@@ -36,7 +36,7 @@ from export.contract import cross_key, cross_value, past_key, past_value, presen
 from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visible  # noqa: F401 (re-exported)
 from serving.engine.runtime_checks import check_copy, check_rows, check_source_lengths, check_step
 from serving.engine.sessions import check_session_io, execution_providers, open_session
-from serving.engine.slots import SlotBuffer, slot_copy_graph, slot_place_graph
+from serving.engine.slots import SlotBuffer, copy_host_rows, slot_copy_graph, slot_place_graph
 from serving.engine.sources import encoder_calls, encoder_inputs, source_binding
 
 CROSS_WIDTH_STEP = 16  # the cross buffers' source axis grows and shrinks in steps of this many positions
@@ -307,21 +307,10 @@ class ModelRuntime:
         if src_a.size == 0:
             return
         if length is not None and self._device == "cpu":
-            live = slice(0, max(0, min(int(length), self.max_len)))
+            live = max(0, min(int(length), self.max_len))
+            copy_host_rows([buf.host_array() for buf in self._self_kv.values()], src_a, dst_a, live)
             src_max = int(self._src_len[src_a].max())
-            pairs = list(zip(src_a.tolist(), dst_a.tolist(), strict=True))
-            if set(src_a.tolist()).isdisjoint(dst_a.tolist()):  # compaction moves: each row copied in place once
-                for host in (buf.host_array() for buf in self._self_kv.values()):
-                    for s, d in pairs:
-                        host[d, :, live] = host[s, :, live]
-                for host in (buf.host_array() for buf in self._cross_kv.values()):
-                    for s, d in pairs:
-                        host[d, :, :src_max] = host[s, :, :src_max]
-            else:  # a beam reorder (a permutation): the fancy-indexed source is copied out first, so overlap is safe
-                for host in (buf.host_array() for buf in self._self_kv.values()):
-                    host[dst_a, :, live] = host[src_a, :, live]
-                for host in (buf.host_array() for buf in self._cross_kv.values()):
-                    host[dst_a, :, :src_max] = host[src_a, :, :src_max]
+            copy_host_rows([buf.host_array() for buf in self._cross_kv.values()], src_a, dst_a, src_max)
             self._src_len[dst_a] = self._src_len[src_a]
             return
         io = self._copy.io_binding()

@@ -103,3 +103,17 @@ class SlotBuffer:
         if self.host is not None:
             return self.host
         return self.value.numpy()[: int(np.prod(self.shape))].reshape(self.shape)
+
+
+def copy_host_rows(hosts: list[np.ndarray], src: np.ndarray, dst: np.ndarray, width: int) -> None:
+    """hosts[..][dst[i], :, :width] <- hosts[..][src[i], :, :width] (host buffers, axis 2 the positions). Disjoint
+    sources and destinations (compaction moves) are copied row by row in place; otherwise (a beam reorder, a
+    permutation) the fancy-indexed source is copied out first, so overlap is safe."""
+    if set(src.tolist()).isdisjoint(dst.tolist()):
+        pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
+        for host in hosts:
+            for s, d in pairs:
+                host[d, :, :width] = host[s, :, :width]
+    else:
+        for host in hosts:
+            host[dst, :, :width] = host[src, :, :width]
