@@ -120,9 +120,9 @@ class ModelRuntime:
 
     # ---- operations ------------------------------------------------------------------------------------
     def encode(self, start: int, sources: list[list[int]]) -> None:
-        """Run the encoder once on `sources` and store each one's cross keys/values and source length in
-        slots start, start+1, ... . On the CPU a source given several times (a beam's rows, identical requests)
-        is encoded once and copied to each of its slots."""
+        """Run the encoder on `sources` and store each one's cross keys/values and source length in slots
+        start, start+1, ... . On the CPU a source given several times (a beam's rows, identical requests) is encoded
+        once and copied to each of its slots, and more than 8 distinct sources run as calls of 8, shortest first."""
         encoder = self._encoder
         if encoder is None:
             raise ValueError("encode() needs an encoder-decoder bundle; this one is a decoder-only LM")
