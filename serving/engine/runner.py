@@ -63,8 +63,6 @@ class RequestState:
     # anything beyond picking a token: log-probabilities, forced tokens or adjusted logits (`_Extras`)
     extra: bool = False
     rng: np.random.Generator | None = None
-    # plain greedy with nothing extra: its token is the batched argmax, with no per-row work at all
-    just_argmax: bool = field(init=False)
     beam: BeamSearch | None = None
     beam_tokens: np.ndarray | None = None  # each beam's newest token (fed at the next step)
     tokens: list[int] = field(default_factory=list)
@@ -72,9 +70,6 @@ class RequestState:
     first_token: float | None = None
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.just_argmax = self.plain and not self.extra
 
     def generator(self) -> np.random.Generator:
         """Its random generator: every request that is neither plain greedy nor a beam search has one."""
@@ -204,7 +199,8 @@ class StepRunner:
     def _pick_decode(self, logits: np.ndarray, rows: list[Sequence], out: StepResult) -> None:
         raw = self._ban(logits)
         out.decode_tokens = len(rows)
-        if all(s.payload.just_argmax and s.phase is not Phase.HELD for s in rows):  # the common case
+        # the common case: every row plain greedy with nothing extra, its token the batched argmax, no per-row work
+        if all(s.payload.plain and not s.payload.extra and s.phase is not Phase.HELD for s in rows):
             tokens = greedy(logits)
             self.last[: len(rows)] = tokens
             out.tokens = list(zip(rows, tokens.tolist(), repeat(None)))

@@ -215,7 +215,7 @@ class Scheduler:
                 self._dequeue(s)
                 s.phase = Phase.DONE
                 plan.finished.append((s, reason))
-        for s in [s for s in self.running if s.cancelled or s.deadline is not None]:  # most can end no other way
+        for s in list(self.running):
             if s.phase != Phase.HELD and (reason := expired(s)) is not None:
                 plan.finished.append((s, reason))
                 self.finish(s, now)

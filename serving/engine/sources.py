@@ -24,11 +24,11 @@ def distinct_sources(sources: list[list[int]]) -> tuple[list[list[int]], np.ndar
 
 
 MOST_PER_CALL = 8
+# an encoder call: its sources, the slots it fills (None: 0..k-1 in order), the row each of them takes (None: in order)
+EncoderCall = tuple[list[list[int]], np.ndarray | None, np.ndarray | None]
 
 
-def encoder_calls(
-    sources: list[list[int]], most: int = MOST_PER_CALL
-) -> list[tuple[list[list[int]], np.ndarray | None, np.ndarray | None]]:
+def encoder_calls(sources: list[list[int]], most: int = MOST_PER_CALL) -> list[EncoderCall]:
     """The encoder calls for the sources of slots 0..n-1: per call, (its sources, the slots it fills (None: slots
     0..k-1, in order), the row of the call each of those slots takes (None: one row each, in order))."""
     distinct, index = distinct_sources(sources)
@@ -36,7 +36,7 @@ def encoder_calls(
         return [(distinct, None, index)]
     slot_rows = np.arange(len(distinct)) if index is None else index  # slot i takes distinct row slot_rows[i]
     order = np.argsort(np.array([len(s) for s in distinct]), kind="stable")
-    calls: list[tuple[list[list[int]], np.ndarray | None, np.ndarray | None]] = []
+    calls: list[EncoderCall] = []
     for first in range(0, len(order), most):
         rows = order[first : first + most]
         row_in_call = np.full(len(distinct), -1, np.intp)
