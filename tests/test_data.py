@@ -144,6 +144,38 @@ def test_catalogs_are_taken_out_of_a_package_once(tmp_path, monkeypatch):
     assert not list((tmp_path / "cache" / "catalogs").glob("*.deb"))
 
 
+def write_help_page(root, rel, paragraphs: dict[str, str]):
+    page = root / rel
+    page.parent.mkdir(parents=True, exist_ok=True)
+    body = "\n".join(f'<p id="{pid}" class="paragraph">{inner}</p>' for pid, inner in paragraphs.items())
+    page.write_text(f"<html><body><h1 id=\"hd_id1\">Title</h1>\n{body}</body></html>", encoding="utf-8")
+
+
+def test_help_sentences_are_paired_by_paragraph_id_and_the_rest_skipped(tmp_path):
+    en, de = tmp_path / "en-US", tmp_path / "de"
+    write_help_page(en, "text/swriter/guide/header.html", {
+        "par_id1": "A header is an area in the top\n margin. You can add text there.",
+        "par_id2": 'Choose <span class="menuitem">View - Normal</span> to switch\n this mode off.',
+        "par_id3": "Only in English.",  # no German paragraph of that id
+        "par_id4": "Use &lt;b&gt; for bold.",  # markup once unescaped: skipped
+        "par_id5": "Click OK.",  # untranslated: skipped
+        "par_id6": "One sentence. And another one.",  # two sentences against one: skipped
+    })
+    write_help_page(de, "text/swriter/guide/header.html", {
+        "par_id6": "Ein Satz und noch einer.",
+        "par_id5": "Click OK.",
+        "par_id4": "Verwenden Sie &lt;b&gt; für Fettdruck.",
+        "par_id2": 'Wählen Sie <span class="menuitem">Ansicht - Normal</span>, um diesen Modus zu beenden.',
+        "par_id1": "Eine Kopfzeile ist ein Bereich am oberen Rand. Sie können dort Text einfügen.",
+    })
+    write_help_page(en, "text/shared/only_en.html", {"par_id1": "A page without a German twin."})
+    assert list(data_sources.help_sentence_pairs(en, de)) == [
+        ("A header is an area in the top margin.", "Eine Kopfzeile ist ein Bereich am oberen Rand."),
+        ("You can add text there.", "Sie können dort Text einfügen."),
+        ("Choose View - Normal to switch this mode off.", "Wählen Sie Ansicht - Normal, um diesen Modus zu beenden."),
+    ]
+
+
 def test_extra_ding_pairs_go_to_train_only_and_never_resemble_held_out_pairs(tmp_path, monkeypatch):
     entries = [f"Das ist Satz Nummer {i} hier.\nThis is sentence number {i} here.\n\n" for i in range(300)]
     dz = write_dictd(tmp_path, entries)
@@ -176,6 +208,13 @@ def test_extra_ding_pairs_go_to_train_only_and_never_resemble_held_out_pairs(tmp
     assert meta["counts"]["train"] == base["counts"]["train"] + 2
     no_games = data.prepare_translation(tmp_path / "no-games", cache=tmp_path, catalogs=False)
     assert no_games["counts"]["train"] == base["counts"]["train"] + 1
+    write_help_page(tmp_path / "en-US", "a.html", {"par_1": "Click the button.", "par_2": en_held})
+    write_help_page(tmp_path / "de", "a.html", {"par_1": "Klicken Sie auf die Schaltfläche.", "par_2": de_held})
+    monkeypatch.setattr(data, "fetch_help", lambda cache: (tmp_path / "en-US", tmp_path / "de"))
+    helped = data.prepare_translation(tmp_path / "help", cache=tmp_path, help_texts=True)
+    assert helped["sources"]["debian:LibreOffice help (train only)"] == 1  # the held-out pair stays out
+    assert ("Click the button.", "Klicken Sie auf die Schaltfläche.") in data.load_pairs(tmp_path / "help")
+    assert "debian:LibreOffice help (train only)" not in meta["sources"]  # only when asked for
 
 
 def test_data_is_torch_free_and_keeps_its_public_names():
@@ -232,5 +271,8 @@ def test_real_sources_are_fetched(tmp_path):
     assert meta["counts"]["train"] > 20000 and meta["counts"]["test"] > 500
     assert meta["sources"]["debian:trans-de-en (train only)"] > 8000
     assert meta["sources"]["debian:German game catalogs (train only)"] > 15000
+    helped = data.prepare_translation(tmp_path / "help", cache=tmp_path / "cache", help_texts=True)
+    assert helped["sources"]["debian:LibreOffice help (train only)"] > 20000
+    assert helped["counts"]["test"] == meta["counts"]["test"]
     gen = data.prepare_generation(tmp_path)
     assert gen["chars"]["train"] > 4_000_000 and "hamlet" in sum(gen["works"].values(), [])
