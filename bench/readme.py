@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from model.published import BEAM_SET
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = ("bench", "models")
 MODELS_HEAD = ["| model | architecture | data | recipe | quality (test split; everyday set) | size |",
@@ -73,7 +75,9 @@ def _data(m: dict[str, Any]) -> str:
 def _quality(m: dict[str, Any]) -> str:
     q = m["metrics"]
     if m["task"] == "translate":
-        return (f"test chrF {q['test']['chrf']:.2f}, BLEU {q['test']['bleu']:.2f}; everyday chrF "
+        beam = q.get(BEAM_SET)
+        beam_text = f" (beam {beam['beam_size']}: chrF {beam['chrf']:.2f})" if beam else ""
+        return (f"test chrF {q['test']['chrf']:.2f}, BLEU {q['test']['bleu']:.2f}{beam_text}; everyday chrF "
                 f"{q['everyday']['chrf']:.2f}")
     return f"{q['test']['bits_per_char']:.4f} bits/char; Hamlet excerpt {q['hamlet_excerpt']['bits_per_char']:.4f}"
 

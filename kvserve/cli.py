@@ -54,15 +54,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     path = Path(args.path)
+    if args.beam_size < 1:
+        raise ValueError(f"--beam-size must be >= 1, got {args.beam_size}")
     if (path / "manifest.json").is_file() and not (path / "checkpoint.json").is_file():  # a bundle, not a checkpoint
-        from export.evaluate import evaluate_bundle
-        from kvserve.runtime import ort_runtime
+        if args.beam_size > 1:
+            from kvserve.translate import evaluate_search
 
-        result = evaluate_bundle(path, ort_runtime(), split=args.split, limit=args.limit, data_dir=args.data_dir)
+            result = evaluate_search(str(path), args.split, args.limit, args.data_dir, args.beam_size,
+                                     args.length_penalty)
+        else:
+            from export.evaluate import evaluate_bundle
+            from kvserve.runtime import ort_runtime
+
+            result = evaluate_bundle(path, ort_runtime(), split=args.split, limit=args.limit, data_dir=args.data_dir)
     else:
         from model.evaluate import evaluate_checkpoint
 
-        result = evaluate_checkpoint(path, split=args.split, limit=args.limit, data_dir=args.data_dir)
+        result = evaluate_checkpoint(path, split=args.split, limit=args.limit, data_dir=args.data_dir,
+                                     beam_size=args.beam_size, length_penalty=args.length_penalty)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -137,12 +146,16 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("evaluate", help="test-split quality of a checkpoint or a bundle",
-                       description="Prints JSON: chrF and BLEU (greedy) for translation, bits per character for "
-                                   "the LM. A checkpoint runs through PyTorch, a bundle through ONNX Runtime.")
+                       description="Prints JSON: chrF and BLEU (greedy, or beam search with --beam-size) for "
+                                   "translation, bits per character for the LM. A checkpoint runs through PyTorch, "
+                                   "a bundle through ONNX Runtime (its beam search through the serving engine).")
     e.add_argument("path", help="checkpoint directory or bundle directory (has manifest.json)")
     e.add_argument("--split", choices=("train", "valid", "test"), default="test")
     e.add_argument("--limit", type=int, help="first N sentences (translation) or characters (LM)")
     e.add_argument("--data-dir", default="artifacts/data")
+    e.add_argument("--beam-size", type=int, default=1, help="translation: 1 = greedy (default); > 1 = beam search, "
+                   "the served algorithm")
+    e.add_argument("--length-penalty", type=float, default=1.0, help="beam ranking: score / length^penalty")
     e.set_defaults(func=_cmd_evaluate)
 
 

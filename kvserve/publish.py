@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from export.bundle import sha256_file
-from model.published import MANIFEST, TOLERANCE, compare, everyday_pairs, lm_text, read_manifest
+from model.published import (BEAM_SET, BEAM_SIZE, MANIFEST, TOLERANCE, compare, everyday_pairs, lm_text,
+                             read_manifest)
 
 RELEASE_DTYPE = "float16"
 REPRODUCE = ("make train   # = kvserve up --train --no-serve: kvserve data --task all, then both recipes "
@@ -55,7 +56,8 @@ def data_record(data_dir: Path, task: str) -> dict[str, Any]:
 
 def measure(release: Path, data_dir: Path) -> dict[str, dict[str, Any]]:
     """Metrics of the release in PyTorch (float16 weights upcast): what `kvserve evaluate` reports for the test
-    split, and the same figures on the fixed eval sets of published/eval/ (no download needed)."""
+    split (the translator's also with `--beam-size 4`), and the same figures on the fixed eval sets of
+    published/eval/ (no download needed)."""
     from model.checkpoint import load_checkpoint
     from model.decode import lm_nll, translate
     from model.evaluate import evaluate_checkpoint
@@ -67,8 +69,10 @@ def measure(release: Path, data_dir: Path) -> dict[str, dict[str, Any]]:
         pairs = everyday_pairs()
         hyps = translate(ck.model, ck.tokenizer, [s for s, _ in pairs], max_new_tokens=ck.config.max_len - 1)
         refs = [t for _, t in pairs]
+        beam = evaluate_checkpoint(release, split="test", data_dir=data_dir, beam_size=BEAM_SIZE)
         return {"test": {k: test[k] for k in ("chrf", "bleu", "sentences")},
-                "everyday": {"chrf": chrf(hyps, refs), "bleu": bleu(hyps, refs), "sentences": len(pairs)}}
+                "everyday": {"chrf": chrf(hyps, refs), "bleu": bleu(hyps, refs), "sentences": len(pairs)},
+                BEAM_SET: {k: beam[k] for k in ("chrf", "bleu", "sentences", "beam_size", "length_penalty")}}
     text = lm_text()
     nll, n_tokens = lm_nll(ck.model, ck.tokenizer.encode(text), ck.tokenizer.bos_id)
     return {"test": {k: test[k] for k in ("bits_per_char", "chars", "tokens")},

@@ -70,11 +70,11 @@ async def translate_lines(engine: Any, tok: Any, lines: Iterable[str], params: S
         next_out += 1
 
 
-async def run(bundle_dir: str, lines: list[str], out: TextIO, params: SamplingParams, slots: int,
-              threads: int | None, provider: str, progress: bool) -> int:
+async def engine_translations(bundle_dir: str, lines: list[str], params: SamplingParams, slots: int,
+                              threads: int | None, provider: str) -> AsyncIterator[str]:
+    """The translations of `lines` in order, by an Engine of the bundle started here and stopped at the end."""
     from export.bundle import load_bundle
     from serving.engine.engine import Engine
-    from tqdm import tqdm
 
     bundle = load_bundle(bundle_dir)
     if bundle.task != "translate":
@@ -87,17 +87,57 @@ async def run(bundle_dir: str, lines: list[str], out: TextIO, params: SamplingPa
                           max_new_tokens=bundle.config.max_len)
     engine = await asyncio.to_thread(Engine.from_bundle, bundle_dir, config)
     await engine.start()
-    bar = tqdm(total=len(lines), file=sys.stderr, unit="sent", disable=not progress)
     try:
-        window = 2 * slots // params.beam_size + 1
-        async for text in translate_lines(engine, tok, lines, params, window):
+        async for text in translate_lines(engine, tok, lines, params, 2 * slots // params.beam_size + 1):
+            yield text
+    finally:
+        await engine.stop(drain_timeout_s=5.0)
+
+
+async def run(bundle_dir: str, lines: list[str], out: TextIO, params: SamplingParams, slots: int,
+              threads: int | None, provider: str, progress: bool) -> int:
+    from tqdm import tqdm
+
+    with tqdm(total=len(lines), file=sys.stderr, unit="sent", disable=not progress) as bar:
+        async for text in engine_translations(bundle_dir, lines, params, slots, threads, provider):
             out.write(text + "\n")
             bar.update(1)
-    finally:
-        bar.close()
-        await engine.stop(drain_timeout_s=5.0)
     out.flush()
     return 0
+
+
+def translate_texts(bundle_dir: str, texts: list[str], params: SamplingParams, slots: int = 16,
+                    threads: int | None = None, provider: str = "auto") -> list[str]:
+    """The engine's translations of `texts`, in order (`kvserve evaluate --beam-size` scores a bundle by them)."""
+    async def collect() -> list[str]:
+        return [t async for t in engine_translations(bundle_dir, texts, params, slots, threads, provider)]
+
+    return asyncio.run(collect())
+
+
+def evaluate_search(bundle_dir: str, split: str, limit: int | None, data_dir: str, beam_size: int,
+                    length_penalty: float) -> dict[str, Any]:
+    """chrF and BLEU of a translation bundle's beam search on a split, through the engine as served (greedy
+    decoding is export.evaluate's): the report `kvserve evaluate BUNDLE --beam-size N` prints."""
+    import time
+
+    from export.bundle import load_bundle
+    from export.evaluate import scores
+    from model.data import load_pairs
+    from model.scores import search_record
+
+    bundle = load_bundle(bundle_dir)
+    if bundle.task != "translate":
+        raise ValueError(f"beam search is for translation; {bundle_dir} is a {bundle.task!r} bundle (drop "
+                         f"--beam-size)")
+    pairs = load_pairs(data_dir, split)[: limit or None]
+    params = SamplingParams(max_new_tokens=bundle.config.max_len - 1, beam_size=beam_size,
+                            length_penalty=length_penalty)
+    t0 = time.perf_counter()
+    hyps = translate_texts(bundle_dir, [s for s, _ in pairs], params, slots=max(16, beam_size))
+    return {"bundle": bundle_dir, "task": bundle.task, "variant": bundle.variant.value, "split": split,
+            "backend": "engine", "sentences": len(pairs), **scores(hyps, [t for _, t in pairs]),
+            **search_record(beam_size, length_penalty), "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def _cmd_translate(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Greedy decoding and LM scoring in PyTorch, through the KV-cache path (the reference for export parity).
+"""Greedy and beam-search decoding and LM scoring in PyTorch, through the KV-cache path (the reference for export
+parity).
 
 Conventions shared with serving: a translation decoder starts from bos and stops at eos; an LM sequence
 starts with bos (prompts get bos prepended).
@@ -52,15 +53,82 @@ def greedy_translate_ids(model: EncoderDecoder, sources: list[list[int]], bos: i
     return out
 
 
+@torch.no_grad()
+def beam_translate_ids(model: EncoderDecoder, sources: list[list[int]], bos: int, eos: int, max_new_tokens: int,
+                       beam_size: int, length_penalty: float = 1.0) -> list[list[int]]:
+    """Beam search over a batch of sources; returns each one's best hypothesis without bos/eos.
+
+    The served algorithm (its spec: serving/engine/beam.py's docstring), over `beam_size` rows per source whose KV
+    caches are reordered by the parents picked, as the engine's slot copies: summed float64 log-probabilities; the
+    first step expands beam 0 only; of the best 2k candidates, an eos of rank < k finishes a hypothesis and the
+    others extend the live beams until k are found; a source is done once k have finished, or at the length limit
+    where its live beams join them; ranked by score / length ** length_penalty, length counting the eos.
+    """
+    cfg, k, b = model.cfg, beam_size, len(sources)
+    src, src_len = pad_batch(sources, cfg.pad_id)
+    src_len = src_len.clamp(min=1)
+    cross = [(ck.repeat_interleave(k, 0), cv.repeat_interleave(k, 0))
+             for ck, cv in model.cross_kv(model.encode(src, src_len))]
+    src_len = src_len.repeat_interleave(k)
+    steps = min(max_new_tokens, cfg.max_len)
+    beams: list[list[list[int]]] = [[[]] for _ in range(b)]  # live beams' tokens, per source
+    scores = torch.zeros(b, k, dtype=torch.float64)
+    scores[:, 1:] = -torch.inf  # the first step expands beam 0 only
+    finished: list[list[tuple[list[int], float]]] = [[] for _ in range(b)]
+    done = [False] * b
+    caches = model.decoder.empty_cache(b * k)
+    ids = torch.full((b * k, 1), bos, dtype=torch.long)
+    pos = torch.zeros(b * k, dtype=torch.long)
+    ones = torch.ones(b * k, dtype=torch.long)
+    for step in range(steps):
+        logits, caches = model.step(ids, ones, pos, caches, cross, src_len)
+        logp = torch.log_softmax(logits.double(), dim=-1).view(b, k, -1)
+        vocab = logp.shape[-1]
+        top_s, top_i = (scores[:, :, None] + logp).view(b, -1).topk(2 * k, dim=1)
+        rows, nxt = torch.arange(b * k), ids[:, 0].clone()
+        for i in range(b):
+            if done[i]:
+                continue
+            live: list[tuple[int, int, float]] = []  # (parent, token, score)
+            for rank, (sc, idx) in enumerate(zip(top_s[i].tolist(), top_i[i].tolist())):
+                parent, tok = divmod(idx, vocab)
+                if tok == eos:
+                    if rank < k:
+                        finished[i].append((beams[i][parent] + [tok], sc))
+                else:
+                    live.append((parent, tok, sc))
+                if len(live) == k:
+                    break
+            beams[i] = [beams[i][p] + [t] for p, t, _ in live]
+            scores[i] = torch.tensor([sc for _, _, sc in live], dtype=torch.float64)
+            rows[i * k: (i + 1) * k] = torch.tensor([p for p, _, _ in live]) + i * k
+            nxt[i * k: (i + 1) * k] = torch.tensor([t for _, t, _ in live])
+            if step + 1 == steps:  # the length limit: the live beams finish too
+                finished[i] += list(zip(beams[i], scores[i].tolist()))
+            done[i] = step + 1 == steps or len(finished[i]) >= k
+        if all(done):
+            break
+        caches = [(ck.index_select(0, rows), cv.index_select(0, rows)) for ck, cv in caches]
+        ids, pos = nxt[:, None], pos + 1
+    best = [max(hyps, key=lambda h: h[1] / len(h[0]) ** length_penalty)[0] for hyps in finished]  # first on ties
+    return [toks[:-1] if toks[-1:] == [eos] else toks for toks in best]
+
+
 def translate(model: EncoderDecoder, tok: Tokenizer, texts: list[str], max_new_tokens: int = 128,
-              batch_size: int = 64) -> list[str]:
+              batch_size: int = 64, beam_size: int = 1, length_penalty: float = 1.0) -> list[str]:
+    """Translations of `texts`: greedy, or beam search of `beam_size` ranked by score / length ** length_penalty."""
     model.eval()
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding
     out: list[str] = [""] * len(texts)
+    batch_size = max(1, batch_size // beam_size)  # as many rows per step as greedy decoding
     for k in range(0, len(order), batch_size):
         idx = order[k: k + batch_size]
         srcs = [tok.encode(texts[i])[: model.cfg.max_len] for i in idx]
-        for i, ids in zip(idx, greedy_translate_ids(model, srcs, tok.bos_id, tok.eos_id, max_new_tokens)):
+        if beam_size > 1:
+            best = beam_translate_ids(model, srcs, tok.bos_id, tok.eos_id, max_new_tokens, beam_size, length_penalty)
+        else:
+            best = greedy_translate_ids(model, srcs, tok.bos_id, tok.eos_id, max_new_tokens)
+        for i, ids in zip(idx, best):
             out[i] = tok.decode(ids)
     return out
 

@@ -48,7 +48,7 @@ class TrainConfig:
 # translator's 0.2 from a sweep of 0.01/0.1/0.3/1.0 (docs/decisions/translator-regularisation.md); the LM's 0.1
 # for its longer run.
 RECIPES: dict[str, dict] = {
-    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=6000,
+    "translate": dict(task="translate", preset="small", out="artifacts/ckpt/translate", steps=12000,
                       batch_tokens=3000, lr=2e-3, warmup=400, weight_decay=0.2, vocab_size=8000, eval_every=1000,
                       precision="bf16-autocast", ema=0.999),
     # The LM trains on windows of its whole context (255 tokens after bos), as it is evaluated and served: on

@@ -163,3 +163,22 @@ async def test_trained_model_beam_search_equals_the_reference(tmp_path):
     agree_batched = sum(b[-1].hypotheses[0][0] == w[0][0] for b, w in zip(batched, want))
     print(f"best hypothesis equal to the reference: alone {agree_alone}/{n}, batched {agree_batched}/{n}")
     assert agree_alone == agree_batched == len(reqs)
+
+
+@pytest.mark.parametrize("beam_size,length_penalty", [(2, 1.0), (4, 0.6), (5, 2.0)])
+def test_pytorch_batched_beam_search_gives_the_references_best_hypothesis(beam_size, length_penalty):
+    """model/decode.py's beam search (what `kvserve evaluate --beam-size` and `kvserve publish` measure) runs many
+    sources at once, reordering KV caches: each source gets the reference's best hypothesis. The end token is one
+    the random model emits often, so hypotheses end at different steps within the batch."""
+    from collections import Counter
+
+    from model.decode import beam_translate_ids, greedy_translate_ids
+    _, model = cached_bundle("translate")
+    rng = np.random.default_rng(beam_size)
+    sources = [[int(x) for x in rng.integers(4, 300, size=int(rng.integers(1, 20)))] for _ in range(7)]
+    greedy = greedy_translate_ids(model, sources, 1, EOS, 12)
+    end = Counter(t for g in greedy for t in g[1:]).most_common(1)[0][0]
+    got = beam_translate_ids(model, sources, 1, end, 12, beam_size, length_penalty)
+    want = [list(reference_beam_search(model, s, 1, {end}, beam_size, 12, length_penalty)[0][0]) for s in sources]
+    assert got == want
+    assert len({len(w) for w in want}) > 1  # hypotheses of several lengths: sources finished at different steps

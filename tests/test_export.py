@@ -173,6 +173,29 @@ def test_evaluate_bundle_gives_the_checkpoint_figures(bundles, task, tmp_path):
         assert got["bits_per_char"] < 6
 
 
+def test_evaluate_with_beam_search_gives_the_same_figures_through_the_engine_and_pytorch(bundles, tmp_path, capsys):
+    """`kvserve evaluate --beam-size 3` on the bundle (the serving engine's beam search) and on its checkpoint
+    (model/decode.py's) agree, and beam search on an LM is refused with a message that says why."""
+    import json
+
+    from kvserve import cli
+
+    data_dir = _data_dir(tmp_path, "translate")
+    reports = []
+    for path in (bundles["translate"], checkpoint_of(bundles["translate"])):
+        assert cli.main(["evaluate", str(path), "--data-dir", str(data_dir), "--beam-size", "3"]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    engine, torch_ = reports
+    assert engine["backend"] == "engine" and torch_["backend"] == "pytorch"
+    keys = ("chrf", "bleu", "sentences", "beam_size", "length_penalty")
+    assert {k: engine[k] for k in keys} == {k: torch_[k] for k in keys} and engine["beam_size"] == 3
+    assert engine["chrf"] > 20
+    lm = _data_dir(tmp_path / "lm", "generate")
+    for path in (bundles["generate"], checkpoint_of(bundles["generate"])):
+        assert cli.main(["evaluate", str(path), "--data-dir", str(lm), "--beam-size", "2"]) == 2
+        assert "beam search is for translation" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_parity_command_runs_the_bundle_through_ort_against_pytorch(bundles, task, tmp_path, capsys):
     """`python -m kvserve.parity BUNDLE CKPT`: export/parity.py `real_parity` with serving's ONNX Runtime

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from export.bundle import Variant, content_sha256, sha256_file, write_manifest
-from model.published import PUBLISHED_DIR, TASKS, compare, everyday_pairs, lm_text, read_manifest
+from model.published import BEAM_SET, BEAM_SIZE, PUBLISHED_DIR, TASKS, compare, everyday_pairs, lm_text, read_manifest
 
 SIZE_LIMIT_BYTES = 40_000_000  # what the published files may weigh in all (issue: a small repository)
 
@@ -221,6 +221,22 @@ def test_kvserve_evaluate_on_a_published_model_gives_the_manifests_test_figures(
 
 
 @pytest.mark.slow
+def test_the_translators_beam_figures_are_the_manifests_in_pytorch_and_through_the_engine(prepared_data,
+                                                                                       fp32_bundles, capsys):
+    """`kvserve evaluate --beam-size 4` on the published translator (PyTorch) and on its fp32 bundle (the serving
+    engine, as a request with beam_size 4 is answered) both give the manifest's beam figures."""
+    from kvserve import cli
+
+    want = read_manifest(PUBLISHED_DIR / "translate")["metrics"][BEAM_SET]
+    for path in (PUBLISHED_DIR / "translate", fp32_bundles["translate"]):
+        argv = ["evaluate", str(path), "--split", "test", "--data-dir", str(prepared_data), "--beam-size",
+                str(BEAM_SIZE)]
+        assert cli.main(argv) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert {k: got[k] for k in want} == want, path
+
+
+@pytest.mark.slow
 @pytest.mark.retrain
 def test_make_train_reproduces_the_published_metrics(tmp_path):
     """`make train` from nothing (hours on 2 cores): data, both recipes, publication, comparison. Exit 0 means
@@ -239,5 +255,8 @@ def test_readme_shows_the_published_models_figures():
     """README's model table quotes the manifests (a retrained model changes both, or this fails)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     t, g = (read_manifest(PUBLISHED_DIR / task)["metrics"] for task in TASKS)
-    assert f"chrF {t['test']['chrf']}, BLEU {t['test']['bleu']}; everyday chrF {t['everyday']['chrf']}" in readme
-    assert f"{g['test']['bits_per_char']} bits/char; Hamlet excerpt {g['hamlet_excerpt']['bits_per_char']}" in readme
+    test, beam, everyday = t["test"], t[BEAM_SET], t["everyday"]
+    assert (f"chrF {test['chrf']:.2f}, BLEU {test['bleu']:.2f} (beam {BEAM_SIZE}: chrF {beam['chrf']:.2f}); "
+            f"everyday chrF {everyday['chrf']:.2f}") in readme
+    lm_test, hamlet = g["test"]["bits_per_char"], g["hamlet_excerpt"]["bits_per_char"]
+    assert f"{lm_test:.4f} bits/char; Hamlet excerpt {hamlet:.4f}" in readme
