@@ -1,7 +1,6 @@
 """The `kvserve` command line: one entry point, a subcommand per job.
 
     kvserve data      fetch, clean and split the training data
-    kvserve back-translate  the translator's training data + back-translated German (a reverse model, then the engine)
     kvserve train     train a model (needs the `train` extra: torch)
     kvserve evaluate  test-split quality of a checkpoint (PyTorch) or a bundle (ONNX Runtime)
     kvserve export    checkpoint -> verified ONNX model bundle (or CTranslate2 model)
@@ -91,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_data, _add_train, _add_evaluate, _add_up):
         add(sub)
     # Subcommands whose parser lives with their code; one whose module is not installed is left out.
-    for module in ("kvserve.export", "kvserve.publish", "kvserve.importer", "kvserve.translate", "kvserve.serve",
-                   "kvserve.back_translate", "loadtest.cli", "bench.cli"):
+    for module in ("kvserve.export", "kvserve.publish", "kvserve.importer", "kvserve.translate", "kvserve.serve", "loadtest.cli",
+                   "bench.cli"):
         _register(sub, module)
     return p
 

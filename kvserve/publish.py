@@ -25,9 +25,9 @@ from model.published import (BEAM_SET, BEAM_SIZE, MANIFEST, TOLERANCE, compare, 
                              read_manifest)
 
 RELEASE_DTYPE = "float16"
-REPRODUCE = ("make train   # = kvserve up --train --no-serve: kvserve data --task all; the LM's recipe beside the "
-             "translator's reverse model (kvserve train, one thread each); kvserve back-translate; the translator's "
-             "recipe on artifacts/data-bt (two threads); then kvserve publish --compare published/<task>")
+REPRODUCE = ("make train   # = kvserve up --train --no-serve: kvserve data --task all, then both recipes "
+             "(kvserve train --task translate|generate --threads 1, side by side), then kvserve publish "
+             "--compare published/<task>")
 
 
 def write_release(checkpoint: Path, out: Path) -> Any:
@@ -50,7 +50,7 @@ def data_record(data_dir: Path, task: str) -> dict[str, Any]:
     d = Path(data_dir) / task
     meta = json.loads((d / "meta.json").read_text())
     files = {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file()}
-    keep = ("source", "sources", "counts", "back_translation") if task == "translate" else ("source", "works", "chars")
+    keep = ("source", "sources", "counts") if task == "translate" else ("source", "works", "chars")
     return {**{k: meta[k] for k in keep if k in meta}, "sha256": files}
 
 

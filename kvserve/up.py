@@ -7,13 +7,9 @@
 subcommand a user would run by hand:
 
     data      artifacts/data/{translate,generate}      kvserve data
-    train     artifacts/ckpt/{generate,translate-reverse}  kvserve train   (the LM's recipe and the translator's
-                                                                       reverse model side by side, one thread each)
-    back-translate  artifacts/data-bt/translate        kvserve back-translate (the reverse model translates
-                                                                       fortunes-de's German)
-    train     artifacts/ckpt/translate                 kvserve train   (the translator's recipe on data-bt, two
-                                                                       threads)
-              (as the published models were trained; an interrupted run resumes)
+    train     artifacts/ckpt/{translate,generate}      kvserve train   (both recipes side by side, one thread
+                                                                       each, as the published models were trained;
+                                                                       an interrupted run resumes)
     publish   artifacts/published/{translate,...}      kvserve publish --compare published/<task>
     export, serve                                      as above, from artifacts/published
 
@@ -29,10 +25,21 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve import stages
 from model.published import PUBLISHED_DIR, TASKS, read_manifest
 
 PROGRESS_EVERY_S = 60  # how often `up --train` prints where each training run is
+
+
+def _kvserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvserve.cli", *args]
+
+
+def _run(cmd: list[str], what: str, check: bool = True) -> int:
+    print(f"==> {what}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    t0 = time.time()
+    rc = subprocess.run(cmd, check=check).returncode
+    print(f"==> {what}: done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    return rc
 
 
 def _last_progress(log: Path) -> str:
@@ -45,43 +52,30 @@ def _last_progress(log: Path) -> str:
     return parts[-1][:160] if parts else "starting"
 
 
-def recipe_run(art: Path, task: str) -> list[str]:
-    """The `kvserve train` arguments of a published model's recipe: the LM on one thread (it trains beside the
-    reverse model), the translator on the back-translated data with both cores."""
-    if task == "translate":
-        from kvserve.back_translate import data_dir
-        from model.train_config import BACK_TRANSLATION
-
-        data, threads = data_dir(art), BACK_TRANSLATION["translator_threads"]
-    else:
-        data, threads = art / "data", 1
-    return ["train", "--task", task, "--out", str(art / "ckpt" / task), "--data-dir", str(data),
-            "--threads", str(threads)]
-
-
-def train_all(runs: dict[str, list[str]], time_budget_s: float | None = None) -> None:
-    """Run the `kvserve train` argument lists of `runs` side by side, each logging to its --out directory's
-    train.log; an interrupted run resumes from its last save."""
+def train_all(art: Path, tasks: list[str], time_budget_s: float | None = None) -> None:
+    """Train `tasks` side by side, one thread each (as the published models were: two one-thread runs make more
+    steps in all than one two-thread run after the other), each logging to artifacts/ckpt/<task>/train.log; an
+    interrupted run resumes from its last save."""
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-    for name, args in runs.items():
-        out = Path(args[args.index("--out") + 1])
+    for task in tasks:
+        out = art / "ckpt" / task
         out.mkdir(parents=True, exist_ok=True)
-        cmd = stages.kvserve_cmd(*args)
+        cmd = _kvserve("train", "--task", task, "--out", str(out), "--data-dir", str(art / "data"), "--threads", "1")
         if time_budget_s:
             cmd += ["--time-budget", str(time_budget_s)]
         if (out / "train_state.pt").is_file() and not (out / "metrics.json").is_file():
             cmd.append("--resume")
         log = out / "train.log"
-        print(f"==> train {name}: {' '.join(cmd[2:])} (log: {log})", file=sys.stderr, flush=True)
-        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "ab")), log)
+        print(f"==> train {task}: {' '.join(cmd[2:])} (log: {log})", file=sys.stderr, flush=True)
+        procs[task] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "ab")), log)
     while any(p.poll() is None for p, _ in procs.values()):
         time.sleep(PROGRESS_EVERY_S)
-        for name, (p, log) in procs.items():
+        for task, (p, log) in procs.items():
             state = "done" if p.poll() == 0 else _last_progress(log)
-            print(f"==> {name}: {state}", file=sys.stderr, flush=True)
-    failed = [n for n, (p, _) in procs.items() if p.returncode != 0]
+            print(f"==> {task}: {state}", file=sys.stderr, flush=True)
+    failed = [t for t, (p, _) in procs.items() if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"training failed for {', '.join(failed)}; see train.log in its checkpoint directory")
+        raise RuntimeError(f"training failed for {', '.join(failed)}; see artifacts/ckpt/<task>/train.log")
 
 
 def _weights_sha(model_dir: Path) -> str:
@@ -104,8 +98,7 @@ def export_models(art: Path, models: Path) -> None:
     t0 = time.time()
     procs = {}
     for task in need:
-        cmd = stages.kvserve_cmd("export", str(models / task), "--out", str(art / "bundles" / task), "--force",
-                                 "--threads", "1")
+        cmd = _kvserve("export", str(models / task), "--out", str(art / "bundles" / task), "--force", "--threads", "1")
         print(f"==> export {task}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
         procs[task] = subprocess.Popen(cmd)
     failed = [t for t, p in procs.items() if p.wait() != 0]
@@ -123,37 +116,25 @@ def export_models(art: Path, models: Path) -> None:
 
 
 def retrain(art: Path, time_budget_s: float | None = None) -> bool:
-    """Data; the LM's recipe beside the translator's reverse model; the back-translation; the translator's recipe;
-    both published into artifacts/published, compared with the repository's published models. True when every
-    metric is within the tolerance. A stage whose output is there is not run again."""
-    from kvserve import back_translate
+    """Data, both recipes and their publication into artifacts/published, compared with the repository's
+    published models; True when every metric is within the tolerance."""
     from model.data import is_prepared  # torch-free
 
     if not all(is_prepared(art / "data", t) for t in TASKS):
-        stages.run_stage(stages.kvserve_cmd("data", "--task", "all", "--out", str(art / "data")), "data")
+        _run(_kvserve("data", "--task", "all", "--out", str(art / "data")), "data")
     need = [t for t in TASKS if not (art / "ckpt" / t / "metrics.json").is_file()]
-    first = {t: recipe_run(art, t) for t in need if t != "translate"}
-    if "translate" in need and not back_translate.is_done(art):
-        reverse, args = back_translate.reverse_run(art)
-        if not (reverse / "metrics.json").is_file():
-            first[back_translate.REVERSE] = args
-    if first:
-        train_all(first, time_budget_s)
-    if "translate" in need:
-        if not back_translate.is_done(art):
-            stages.run_stage(stages.kvserve_cmd("back-translate", "--artifacts", str(art)), "back-translate")
-        train_all({"translate": recipe_run(art, "translate")}, time_budget_s)
+    if need:
+        train_all(art, need, time_budget_s)
     ok = True
     for task in TASKS:
         done, trained = art / "published" / task / "manifest.json", art / "ckpt" / task / "metrics.json"
         if done.is_file() and done.stat().st_mtime > trained.stat().st_mtime and not need:
             continue  # published after its training ended, and compared then
-        data = back_translate.data_dir(art) if task == "translate" else art / "data"
-        cmd = stages.kvserve_cmd("publish", str(art / "ckpt" / task), "--out", str(art / "published" / task),
-                                 "--force", "--data-dir", str(data))
+        cmd = _kvserve("publish", str(art / "ckpt" / task), "--out", str(art / "published" / task), "--force",
+                       "--data-dir", str(art / "data"))
         if (PUBLISHED_DIR / task / "manifest.json").is_file():
             cmd += ["--compare", str(PUBLISHED_DIR / task)]
-        ok &= stages.run_stage(cmd, f"publish {task}", check=False) == 0
+        ok &= _run(cmd, f"publish {task}", check=False) == 0
     return ok
 
 
@@ -172,6 +153,6 @@ def up(art: Path, config: str = "deploy/serve_config.yaml", host: str | None = N
     print(f"==> bundles ready in {time.time() - t0:.0f}s; starting the server", file=sys.stderr, flush=True)
     if not serve:
         return 0
-    os.execv(sys.executable, stages.kvserve_cmd("serve", "--config", config, "--artifacts", str(art),
-                                                *(("--host", host) if host else ())))
+    os.execv(sys.executable, _kvserve("serve", "--config", config, "--artifacts", str(art),
+                                      *(("--host", host) if host else ())))
     return 0  # not reached

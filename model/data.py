@@ -52,7 +52,7 @@ def split_of(key: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- translation
 
-class NearDuplicates:
+class _NearDuplicates:
     """Is a sentence (nearly) one of a fixed set? Word-set Jaccard similarity >= `threshold`."""
 
     def __init__(self, sentences: Iterable[str], threshold: float = 0.8):
@@ -94,7 +94,7 @@ def prepare_translation(out_dir: Path, tsv: Path | None = None, cache: Path | No
     sources = {source: sum(len(v) for v in splits.values())}
     if extra and not tsv:
         # Neither side may resemble a side of any held-out pair (>= 80% of its words in common).
-        held_en, held_de = (NearDuplicates(p[i] for s in ("valid", "test") for p in splits[s]) for i in (0, 1))
+        held_en, held_de = (_NearDuplicates(p[i] for s in ("valid", "test") for p in splits[s]) for i in (0, 1))
         extras = {f"debian:{DING_PACKAGE} (train only)": lambda: ding_sentence_pairs(fetch_ding(cache))}
         if catalogs:
             extras["debian:German game catalogs (train only)"] = (

@@ -59,7 +59,7 @@ _ACRONYM_TAIL = re.compile(r"\s*[A-Z]{2,},\s*/[^/]*/\s*$")  # "Hope that helps.H
 _PRONUNCIATION = re.compile(r"\s+/[^/]*/\s*$")
 _DING_ALTERNATIVES = re.compile(r"(?<=[.?!])\s*;\s+")  # "Done!; It's a deal!"
 _TYPOGRAPHY = str.maketrans({"’": "'", "‘": "'"})  # freedict writes ASCII apostrophes
-SENTENCE_END = re.compile(r"(?<=[.!?…])\s+(?=[A-ZÄÖÜ\"“„'])")
+_SENTENCE_END = re.compile(r"(?<=[.!?…])\s+(?=[A-ZÄÖÜ\"“„'])")
 _MARKUP = re.compile(r"[<>{}$@%\[\]\n]")  # placeholders, markup, formatting: not plain prose
 # a help page's paragraph, heading or cell with its id (par_id3154923, hd_id3150771): its inner HTML
 _HELP_PARAGRAPH = re.compile(r'<(p|h[1-6]|td|li)\b[^>]*\bid="((?:par|hd)_[^"]+)"[^>]*>(.*?)</\1>', re.S)
@@ -130,18 +130,18 @@ def fetch_catalogs(cache: Path, packages: Iterable[str] = CATALOG_PACKAGES) -> l
     """The German gettext catalogs of `packages`: each .deb downloaded once, only its catalogs kept in cache."""
     found: list[Path] = []
     for package in tqdm(list(packages), desc="translated game texts", unit="package", file=sys.stderr):
-        found += sorted(unpacked_package(package, cache / "catalogs", CATALOG_GLOB).rglob("*.mo"))
+        found += sorted(_unpacked(package, cache / "catalogs", CATALOG_GLOB).rglob("*.mo"))
     return found
 
 
 def fetch_help(cache: Path) -> tuple[Path, Path]:
     """The English and the German LibreOffice help pages (directories of the same HTML files)."""
-    en, de = (unpacked_package(HELP_PACKAGES[lang], cache / "help", f"{HELP_ROOTS[lang]}/*.html") / HELP_ROOTS[lang]
+    en, de = (_unpacked(HELP_PACKAGES[lang], cache / "help", f"{HELP_ROOTS[lang]}/*.html") / HELP_ROOTS[lang]
               for lang in ("en", "de"))
     return en, de
 
 
-def unpacked_package(package: str, where: Path, pattern: str) -> Path:
+def _unpacked(package: str, where: Path, pattern: str) -> Path:
     """The files of `package` matching `pattern`, under where/package: downloaded and taken out once; the .deb
     itself is not kept (the catalogs are a few MB of packages of up to 400 MB)."""
     dest = where / package
@@ -209,7 +209,7 @@ def _message_sentence_pairs(messages: Iterable[tuple[str, str]]) -> Iterator[tup
     for en, de in messages:
         if _MARKUP.search(en) or _MARKUP.search(de):
             continue
-        ens, des = SENTENCE_END.split(en), SENTENCE_END.split(de)
+        ens, des = _SENTENCE_END.split(en), _SENTENCE_END.split(de)
         if len(ens) != len(des):
             continue
         for e, d in zip(ens, des, strict=True):

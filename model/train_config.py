@@ -58,13 +58,6 @@ RECIPES: dict[str, dict] = {
                      precision="bf16-autocast", ema=0.999),
 }
 
-# The translator trains on its parallel pairs plus fortunes-de's German back-translated by a reverse (German ->
-# English) model: the translate recipe on the reversed pairs for `reverse_steps`, translating greedily through the
-# serving engine (docs/decisions/back-translation.md; kvserve/back_translate.py). The translator's own run then has
-# both cores to itself: `translator_threads`.
-BACK_TRANSLATION: dict[str, int] = dict(reverse_steps=6000, max_tokens=128, slots=32, translator_threads=2)
-
-
 def recipe(task: str, **overrides) -> TrainConfig:
     """The default training run for a task, with explicit overrides (e.g. from the command line)."""
     if task not in RECIPES:

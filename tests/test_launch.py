@@ -120,57 +120,26 @@ def test_kvserve_up_exports_only_bundles_whose_weights_are_not_the_published_one
     assert [c[c.index("export") + 1] for c in runs] == [str(models / "generate")]  # translate is current
 
 
-def test_kvserve_up_train_trains_the_lm_beside_the_reverse_model_then_the_translator(tmp_path, monkeypatch):
-    """`make train`: data, then the LM's recipe and the translator's reverse model side by side (one thread each,
-    an interrupted run resumed), back-translation, then the translator's recipe alone on the back-translated data
-    (two threads), each published against the repository's model."""
-    from kvserve import back_translate, stages, up
+def test_kvserve_up_train_trains_both_recipes_side_by_side_and_resumes(tmp_path, monkeypatch):
+    from kvserve import up
 
-    started, ran = [], []
+    started = []
 
     class Proc:
         returncode = 0
 
         def __init__(self, cmd, **kw):
             started.append(cmd)
-            out = Path(cmd[cmd.index("--out") + 1])
-            (out / "metrics.json").write_text("{}")  # the run finishes at once
 
         def poll(self):
             return 0
-
-    def run(cmd, what, check=True):
-        ran.append(cmd[3:])
-        if cmd[3] == "back-translate":
-            (back_translate.data_dir(tmp_path) / "translate").mkdir(parents=True)
-            (back_translate.data_dir(tmp_path) / "translate" / "meta.json").write_text("{}")
-        return 0
     monkeypatch.setattr(up.subprocess, "Popen", Proc)
-    monkeypatch.setattr(stages, "run_stage", run)
-    monkeypatch.setattr(up, "PROGRESS_EVERY_S", 0)
-    for task in ("translate", "generate"):
-        (tmp_path / "data" / task).mkdir(parents=True)
-        (tmp_path / "data" / task / "meta.json").write_text("{}")
-    (tmp_path / "data" / "translate" / "train.tsv").write_text("Hello.\tHallo.\n")
-    for split in ("valid", "test"):
-        (tmp_path / "data" / "translate" / f"{split}.tsv").write_text("")
     (tmp_path / "ckpt" / "generate").mkdir(parents=True)
     (tmp_path / "ckpt" / "generate" / "train_state.pt").write_bytes(b"")  # an interrupted run
-    up.retrain(tmp_path, time_budget_s=300.0)
-    first, second = started[:2], started[2:]
-    assert [c[c.index("--out") + 1] for c in first] == [str(tmp_path / "ckpt" / n)
-                                                        for n in ("generate", "translate-reverse")]
-    assert all(c[c.index("--threads") + 1] == "1" and "--time-budget" in c for c in first)
-    assert first[0][-1] == "--resume" and "--resume" not in first[1]
-    assert first[1][first[1].index("--data-dir") + 1] == str(tmp_path / "data-reverse")
-    assert (tmp_path / "data-reverse" / "translate" / "train.tsv").read_text() == "Hallo.\tHello.\n"
-    [translator] = second
-    assert translator[translator.index("--data-dir") + 1] == str(tmp_path / "data-bt")
-    assert translator[translator.index("--threads") + 1] == "2"
-    assert [c[0] for c in ran] == ["back-translate", "publish", "publish"]
-    publish = {c[c.index("--out") + 1]: c[c.index("--data-dir") + 1] for c in ran[1:]}
-    assert publish == {str(tmp_path / "published" / "translate"): str(tmp_path / "data-bt"),
-                       str(tmp_path / "published" / "generate"): str(tmp_path / "data")}
+    up.train_all(tmp_path, ["translate", "generate"], time_budget_s=300.0)
+    assert [c[c.index("--task") + 1] for c in started] == ["translate", "generate"]
+    assert all(c[c.index("--threads") + 1] == "1" and "--time-budget" in c for c in started)
+    assert "--resume" not in started[0] and started[1][-1] == "--resume"
     monkeypatch.undo()  # subprocess.Popen again
     dry = subprocess.run(["make", "-n", "train", "TIME_BUDGET=300"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "kvserve up --train --no-serve" in dry and "--time-budget 300" in dry
