@@ -4,6 +4,7 @@ bench/report.py, which assembles the document.
 """
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from bench.http import COMPLETIONS as COMPLETIONS_MODE  # the mode name of the non-streaming runs
@@ -36,11 +37,27 @@ def http_verdict(summary: dict[str, dict[str, Any]], baseline: str = "request") 
 HTTP_TARGETS = {"streaming": 0.5, "non-streaming": 0.6}  # HTTP / in-process tokens/s at 32 clients (docs/http_path.md)
 
 
+TOGETHER_S = 2 * 3600  # sections of one `kvserve bench` run: a full run takes ~35 minutes
+
+
+def measured_together(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Were two sections measured in one run (the same commit, within TOGETHER_S)? A ratio between them is side
+    by side only then: `--sections` measures some again and keeps the others' saved results. Sections without
+    a parsable stamp count as together."""
+    try:
+        ta, tb = (datetime.strptime(x["date_utc"], "%Y-%m-%d %H:%M UTC") for x in (a, b))
+    except (KeyError, TypeError, ValueError):
+        return True
+    return a.get("git") == b.get("git") and abs((ta - tb).total_seconds()) <= TOGETHER_S
+
+
 def http_ratios(http: dict[str, Any], inproc: dict[str, Any]) -> dict[str, Any] | None:
     """Output tokens/s through HTTP at the bench's concurrency over the in-process engine's at the same
     concurrency (section 2: same bundle, KV slots, ORT threads and output lengths): streaming /v1/generate and
     non-streaming /v1/completions, both with continuous batching, per load generator: wrk (C, bench/wrk.py)
-    and `kvserve loadtest` (Python, in the bench's process)."""
+    and `kvserve loadtest` (Python, in the bench's process). None when the two sections were measured apart."""
+    if not measured_together(http, inproc):
+        return None
     c = http["plan"]["concurrency"]
     row = next((r for r in inproc["engine"]["summary"] if r["mode"] == "continuous" and r["concurrency"] == c), None)
     s = http["summary"]
@@ -64,6 +81,10 @@ GENERATOR_NAMES = {"wrk": "wrk (C; one of the clients is a Python TTFT probe)",
 
 def http_vs_inprocess(http: dict[str, Any], inproc: dict[str, Any], short: bool = False) -> str | None:
     """How much of the in-process engine's continuous-batching throughput the HTTP path delivers."""
+    if not measured_together(http, inproc):
+        return (f"HTTP / in-process: not compared, the two sections were measured apart (HTTP {http.get('date_utc')} "
+                f"at git {http.get('git')}, in-process {inproc.get('date_utc')} at git {inproc.get('git')}); `kvserve "
+                f"bench --sections http inprocess` measures them together.")
     r = http_ratios(http, inproc)
     if r is None:
         return None
