@@ -191,27 +191,6 @@ def test_doc_reports_failed_sections_and_a_broken_claim():
     assert "does **not** hold" in doc
 
 
-def test_http_over_in_process_is_given_only_for_sections_measured_together():
-    """`--sections inprocess` alone keeps the saved HTTP results of another day: their ratio would compare two
-    machines' states, so the doc and the CPU-kinds ledger leave it out and say why."""
-    from bench.cpu_kinds import figures
-    from bench.report_http import http_ratios
-
-    s = _sections()
-    s["http"].update(git="abc1234", date_utc="2026-01-01 10:00 UTC")
-    s["inprocess"].update(git="abc1234", date_utc="2026-01-01 10:30 UTC")
-    assert http_ratios(s["http"], s["inprocess"]) is not None
-    assert "**0.55** (target 0.5)" in render(s, MACHINE, {"threads": 2}, "kvserve bench", 600.0)
-    s["inprocess"].update(git="def5678", date_utc="2026-01-02 09:00 UTC")
-    assert http_ratios(s["http"], s["inprocess"]) is None and "http" not in figures(s)
-    doc = render(s, MACHINE, {"threads": 2}, "kvserve bench", 600.0)
-    assert "**0.55**" not in doc and doc.count("HTTP / in-process: not compared, the two sections were measured apart "
-                                               "(HTTP 2026-01-01 10:00 UTC at git abc1234, in-process 2026-01-02 09:00 "
-                                               "UTC at git def5678)") >= 1
-    s["inprocess"].update(git="abc1234", date_utc="2026-01-01 13:00 UTC")  # the same commit, hours later
-    assert http_ratios(s["http"], s["inprocess"]) is None
-
-
 def test_durations_read_naturally():
     assert (t(None), t(0.00123), t(0.25), t(1.5), t(12.5)) == ("n/a", "1.23 ms", "250 ms", "1.50 s", "12.5 s")
 
