@@ -300,6 +300,8 @@ def bench(artifacts: Path, out: Path, quick: bool = False, sections: list[str] |
     from bench.compute import machine
     from bench.report import render
 
+    if readme is not None and not readme.is_file():  # before measuring: the sections overwrite their saved results
+        raise FileNotFoundError(f"--readme {readme} does not exist; nothing was measured")
     plan = QUICK if quick else BenchPlan()
     plan = replace(plan, threads=threads) if threads else plan
     art = Artifacts(artifacts, work or artifacts / "bench")

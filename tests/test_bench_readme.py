@@ -94,3 +94,11 @@ def test_update_rewrites_readme_from_the_report_and_the_manifests(tmp_path):
     text = readme.read_text()
     assert block(text, "bench") == "fresh 3.0x" and block(text, "models") == models_table(PUBLISHED)
     assert text.startswith("x\n") and text.endswith(f"{m_end}\ny\n") and update(readme, report, PUBLISHED) == []
+
+
+def test_a_missing_readme_is_refused_before_anything_is_measured_or_written(tmp_path):
+    from bench.cli import bench
+
+    with pytest.raises(FileNotFoundError, match="nothing was measured"):
+        bench(tmp_path / "art", tmp_path / "doc.md", sections=["compute"], readme=tmp_path / "README.md")
+    assert not (tmp_path / "doc.md").exists() and not (tmp_path / "art").exists()
