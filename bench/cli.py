@@ -42,6 +42,7 @@ from typing import Any, Callable
 from bench.artifacts import Artifacts
 from bench.autoscale import DEFAULT_PHASES as AUTOSCALE_PHASES
 from bench.http import HttpPlan
+from bench.markdown import DATE_UTC
 from bench.markdown import rel_path as _rel
 
 SECTIONS = ("compute", "inprocess", "translate", "breakdown", "http", "http_path", "autoscale", "cache")
@@ -276,7 +277,7 @@ def run_sections(art: Artifacts, plan: BenchPlan, sections: list[str], shipped: 
             traceback.print_exc()
             body = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         body.update(section=name, commands=commands, elapsed_s=round(time.perf_counter() - t0, 1),
-                    date_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), git=commit)
+                    date_utc=time.strftime(DATE_UTC, time.gmtime()), git=commit)
         (art.work / f"{name}.json").write_text(json.dumps(body, indent=2, default=str) + "\n")
         results[name] = body
     return results

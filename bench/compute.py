@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.markdown import DATE_UTC
 from model.provenance import cpu_flags, cpu_model
 
 PACKAGES = ("numpy", "onnxruntime", "onnx", "ray", "ctranslate2", "torch", "httpx")
@@ -67,7 +68,7 @@ def machine(root: Path | None = None) -> dict[str, Any]:
     return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "logical_cpus": os.cpu_count(),
             "ram_gib": _ram_gib(), "os": f"{platform.system()} {platform.release()}",
             "python": platform.python_version(), "versions": versions,
-            "git": _git(root or Path.cwd()), "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "git": _git(root or Path.cwd()), "date_utc": time.strftime(DATE_UTC, time.gmtime())}
 
 
 def _times(fn: Any, reps: int) -> list[float]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+DATE_UTC = "%Y-%m-%d %H:%M UTC"  # how every section stamps when it was measured (report_http parses it)
+
 
 def rel_path(p: Path | str) -> str:
     """A path as a user would type it from here: relative to the working directory where it lies below it."""

@@ -10,7 +10,7 @@ from typing import Any
 from bench.http import COMPLETIONS as COMPLETIONS_MODE  # the mode name of the non-streaming runs
 from bench.markdown import commands as _commands
 from bench.markdown import failed as _failed
-from bench.markdown import ratio, section_date as _section_date, t, x
+from bench.markdown import DATE_UTC, ratio, section_date as _section_date, t, x
 
 SAME_LOAD = 0.03  # request rates within 3% of each other: both modes carried the same (offered) load
 
@@ -45,7 +45,7 @@ def measured_together(a: dict[str, Any], b: dict[str, Any]) -> bool:
     by side only then: `--sections` measures some again and keeps the others' saved results. Sections without
     a parsable stamp count as together."""
     try:
-        ta, tb = (datetime.strptime(x["date_utc"], "%Y-%m-%d %H:%M UTC") for x in (a, b))
+        ta, tb = (datetime.strptime(x["date_utc"], DATE_UTC) for x in (a, b))
     except (KeyError, TypeError, ValueError):
         return True
     return a.get("git") == b.get("git") and abs((ta - tb).total_seconds()) <= TOGETHER_S
