@@ -66,7 +66,10 @@ def _architecture(m: dict[str, Any]) -> str:
 def _data(m: dict[str, Any]) -> str:
     d = m["data"]
     if m["task"] == "translate":
-        return f"{d['counts']['train']:,} English->German pairs (Ding dictionary examples, game texts from Debian)"
+        teacher = d.get("distillation", {}).get("data")  # a distilled model: the pairs its teacher trained on
+        pairs = f"{(teacher or {}).get('train_pairs', d['counts']['train']):,} English->German pairs"
+        distilled = f"; distilled on their {d['distillation']['pairs_kept']:,} English sides" if teacher else ""
+        return f"{pairs} (Ding dictionary examples, game texts from Debian){distilled}"
     if "works" in d:
         return f"Shakespeare's works, {len(d['works']['test'])} held-out plays"
     return str(d.get("source", "?"))
@@ -90,7 +93,10 @@ def models_table(published: Path) -> str:
     rows = []
     for m in manifests:
         size = sum(f.stat().st_size for f in (published / m["name"]).iterdir() if f.is_file())
-        recipe = f"{m['training']['steps']:,} steps, {PRECISION.get(m['recipe']['precision'], m['recipe']['precision'])}"
+        steps = f"{m['training']['steps']:,} steps"
+        if m["training"].get("init"):  # fine-tuned: the run it started from first
+            steps = f"{m['training']['init']['step']:,} + {steps} (fine-tuned)"
+        recipe = f"{steps}, {PRECISION.get(m['recipe']['precision'], m['recipe']['precision'])}"
         rows.append(f"| `{m['name']}` | {_architecture(m)} | {_data(m)} | {recipe} | {_quality(m)} | "
                     f"{size / 1e6:.1f} MB |")
     return "\n".join(MODELS_HEAD + rows)

@@ -6,6 +6,7 @@
     kvserve export    checkpoint -> verified ONNX model bundle (or CTranslate2 model)
     kvserve import    a Hugging Face Marian / OPUS-MT checkpoint -> verified model bundle
     kvserve translate translate stdin to stdout (a sentence per line) with a translation bundle, in-process
+    kvserve distill   train data of a teacher bundle's beam-search translations (sequence-level distillation)
     kvserve serve     serve bundles with Ray Serve
     kvserve publish   trained checkpoint -> published model (float16 weights + provenance manifest)
     kvserve up        what `make serve` runs: the published models exported and served (--train: rebuilt first)
@@ -46,7 +47,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in vars(args).items()
                  if k in ("preset", "out", "data_dir", "steps", "time_budget_s", "lr", "seed", "threads",
-                          "batch_tokens", "vocab_size", "stop_at", "precision") and v is not None}
+                          "batch_tokens", "vocab_size", "stop_at", "precision", "warmup", "init") and v is not None}
     metrics = train(recipe(args.task, **overrides), resume=args.resume)
     print(json.dumps({k: v for k, v in metrics.items() if k != "history"}, indent=2))
     return 0
@@ -90,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_data, _add_train, _add_evaluate, _add_up):
         add(sub)
     # Subcommands whose parser lives with their code; one whose module is not installed is left out.
-    for module in ("kvserve.export", "kvserve.publish", "kvserve.importer", "kvserve.translate", "kvserve.serve", "loadtest.cli",
-                   "bench.cli"):
+    for module in ("kvserve.export", "kvserve.publish", "kvserve.importer", "kvserve.translate", "kvserve.distill",
+                   "kvserve.serve", "loadtest.cli", "bench.cli"):
         _register(sub, module)
     return p
 
@@ -141,6 +142,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "on another machine")
     t.add_argument("--threads", type=int, help="torch intra-op threads")
     t.add_argument("--resume", action="store_true", help="continue the run saved in --out exactly")
+    t.add_argument("--init", help="fine-tune: start from this checkpoint's weights, model shape and tokenizer "
+                                  "(e.g. published/translate) instead of a new tokenizer and random weights")
+    t.add_argument("--warmup", type=int, help="steps of linear LR warmup")
     t.set_defaults(func=_cmd_train)
 
 

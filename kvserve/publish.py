@@ -26,8 +26,10 @@ from model.published import (BEAM_SET, BEAM_SIZE, MANIFEST, TOLERANCE, compare, 
 
 RELEASE_DTYPE = "float16"
 REPRODUCE = ("make train   # = kvserve up --train --no-serve: kvserve data --task all, then both recipes "
-             "(kvserve train --task translate|generate --threads 1, side by side), then kvserve publish "
-             "--compare published/<task>")
+             "(kvserve train --task translate|generate --threads 1, side by side); the translator distilled: the "
+             "recipe's one published and exported as the teacher, kvserve distill --beam-size 4, kvserve train "
+             "--init TEACHER --data-dir artifacts/data-kd --steps 4000 --lr 0.0005 --warmup 200 --threads 1 "
+             "(model/train_config.py DISTILLATION); then kvserve publish --compare published/<task>")
 
 
 def write_release(checkpoint: Path, out: Path) -> Any:
@@ -50,7 +52,7 @@ def data_record(data_dir: Path, task: str) -> dict[str, Any]:
     d = Path(data_dir) / task
     meta = json.loads((d / "meta.json").read_text())
     files = {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file()}
-    keep = ("source", "sources", "counts") if task == "translate" else ("source", "works", "chars")
+    keep = ("source", "sources", "counts", "distillation") if task == "translate" else ("source", "works", "chars")
     return {**{k: meta[k] for k in keep if k in meta}, "sha256": files}
 
 
@@ -122,7 +124,8 @@ def publish(checkpoint: Path, out: Path, data_dir: Path, force: bool = False,
         "model_config": ckpt.config.to_dict(),
         "recipe": meta.get("train_config", {}),
         "training": {"steps": meta.get("step"), "train_seconds": meta.get("elapsed_s"),
-                     "weights_kept": meta.get("weights"), "valid": meta.get("metrics"), "starts": starts},
+                     "weights_kept": meta.get("weights"), "valid": meta.get("metrics"), "starts": starts,
+                     **({"init": meta["init"]} if meta.get("init") else {})},
         "data": data_record(data_dir, ckpt.task),
         "metrics": metrics,
         "metrics_tolerance": TOLERANCE,

@@ -107,10 +107,18 @@ async def run(bundle_dir: str, lines: list[str], out: TextIO, params: SamplingPa
 
 
 def translate_texts(bundle_dir: str, texts: list[str], params: SamplingParams, slots: int = 16,
-                    threads: int | None = None, provider: str = "auto") -> list[str]:
-    """The engine's translations of `texts`, in order (`kvserve evaluate --beam-size` scores a bundle by them)."""
+                    threads: int | None = None, provider: str = "auto", progress: bool = False) -> list[str]:
+    """The engine's translations of `texts`, in order (`kvserve evaluate --beam-size` scores a bundle by them,
+    `kvserve distill` makes training data of them); `progress` draws a bar on stderr."""
+    from tqdm import tqdm
+
     async def collect() -> list[str]:
-        return [t async for t in engine_translations(bundle_dir, texts, params, slots, threads, provider)]
+        out = []
+        with tqdm(total=len(texts), file=sys.stderr, unit="sent", disable=not progress) as bar:
+            async for text in engine_translations(bundle_dir, texts, params, slots, threads, provider):
+                out.append(text)
+                bar.update(1)
+        return out
 
     return asyncio.run(collect())
 

@@ -10,6 +10,10 @@ subcommand a user would run by hand:
     train     artifacts/ckpt/{translate,generate}      kvserve train   (both recipes side by side, one thread
                                                                        each, as the published models were trained;
                                                                        an interrupted run resumes)
+    teacher   artifacts/published/translate-teacher    kvserve publish + export (the recipe's translator)
+    distill   artifacts/data-kd/translate              kvserve distill (its beam-4 translations of the train
+                                                                       sources added to the real pairs)
+    fine-tune artifacts/ckpt/translate-distilled       kvserve train --init (the teacher on that data)
     publish   artifacts/published/{translate,...}      kvserve publish --compare published/<task>
     export, serve                                      as above, from artifacts/published
 
@@ -28,6 +32,7 @@ from pathlib import Path
 from model.published import PUBLISHED_DIR, TASKS, read_manifest
 
 PROGRESS_EVERY_S = 60  # how often `up --train` prints where each training run is
+TEACHER, DISTILLED = "translate-teacher", "translate-distilled"  # the translator's two runs under ckpt/, bundles/
 
 
 def _kvserve(*args: str) -> list[str]:
@@ -53,29 +58,62 @@ def _last_progress(log: Path) -> str:
 
 
 def train_all(art: Path, tasks: list[str], time_budget_s: float | None = None) -> None:
-    """Train `tasks` side by side, one thread each (as the published models were: two one-thread runs make more
-    steps in all than one two-thread run after the other), each logging to artifacts/ckpt/<task>/train.log; an
-    interrupted run resumes from its last save."""
+    """Train the recipes of `tasks` side by side, one thread each (as the published models were: two one-thread
+    runs make more steps in all than one two-thread run after the other)."""
+    train_runs({task: ["train", "--task", task, "--out", str(art / "ckpt" / task), "--data-dir", str(art / "data"),
+                       "--threads", "1"] for task in tasks}, time_budget_s)
+
+
+def train_runs(runs: dict[str, list[str]], time_budget_s: float | None = None) -> None:
+    """Run the `kvserve train` argument lists of `runs` side by side, each logging to train.log in its --out
+    directory; an interrupted run resumes from its last save."""
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-    for task in tasks:
-        out = art / "ckpt" / task
+    for name, args in runs.items():
+        out = Path(args[args.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)
-        cmd = _kvserve("train", "--task", task, "--out", str(out), "--data-dir", str(art / "data"), "--threads", "1")
+        cmd = _kvserve(*args)
         if time_budget_s:
             cmd += ["--time-budget", str(time_budget_s)]
         if (out / "train_state.pt").is_file() and not (out / "metrics.json").is_file():
             cmd.append("--resume")
         log = out / "train.log"
-        print(f"==> train {task}: {' '.join(cmd[2:])} (log: {log})", file=sys.stderr, flush=True)
-        procs[task] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "ab")), log)
+        print(f"==> train {name}: {' '.join(cmd[2:])} (log: {log})", file=sys.stderr, flush=True)
+        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "ab")), log)
     while any(p.poll() is None for p, _ in procs.values()):
         time.sleep(PROGRESS_EVERY_S)
-        for task, (p, log) in procs.items():
+        for name, (p, log) in procs.items():
             state = "done" if p.poll() == 0 else _last_progress(log)
-            print(f"==> {task}: {state}", file=sys.stderr, flush=True)
-    failed = [t for t, (p, _) in procs.items() if p.returncode != 0]
+            print(f"==> {name}: {state}", file=sys.stderr, flush=True)
+    failed = [n for n, (p, _) in procs.items() if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"training failed for {', '.join(failed)}; see artifacts/ckpt/<task>/train.log")
+        raise RuntimeError(f"training failed for {', '.join(failed)}; see train.log in its checkpoint directory")
+
+
+def distill_translator(art: Path, time_budget_s: float | None = None) -> Path:
+    """The translator's stages after its recipe (model/train_config.py DISTILLATION): the recipe's model published
+    as the teacher (float16 weights, measured), its bundle's beam search over the train sources (`kvserve
+    distill`), then the teacher fine-tuned on the real plus the distilled pairs. Returns the checkpoint to publish
+    as the translator; a stage whose output is there is not run again."""
+    from model.train_config import DISTILLATION
+
+    recipe_run = art / "ckpt" / "translate"
+    teacher, bundle = art / "published" / TEACHER, art / "bundles" / TEACHER
+    data, out = art / "data-kd", art / "ckpt" / DISTILLED
+    if (out / "metrics.json").is_file():
+        return out
+    if not (teacher / "manifest.json").is_file() or \
+            (teacher / "manifest.json").stat().st_mtime < (recipe_run / "metrics.json").stat().st_mtime:
+        _run(_kvserve("publish", str(recipe_run), "--out", str(teacher), "--force", "--data-dir", str(art / "data")),
+             "publish the teacher")
+    if not _bundle_is_current(bundle, teacher):
+        _run(_kvserve("export", str(teacher), "--out", str(bundle), "--force", "--data-dir", str(art / "data")),
+             "export the teacher")
+    _run(_kvserve("distill", "--teacher", str(bundle), "--data-dir", str(art / "data"), "--out", str(data),
+                  "--beam-size", str(DISTILLATION["beam_size"])), "distill")
+    train_runs({DISTILLED: ["train", "--task", "translate", "--init", str(teacher), "--data-dir", str(data),
+                            "--out", str(out), "--steps", str(DISTILLATION["steps"]), "--lr", str(DISTILLATION["lr"]),
+                            "--warmup", str(DISTILLATION["warmup"]), "--threads", "1"]}, time_budget_s)
+    return out
 
 
 def _weights_sha(model_dir: Path) -> str:
@@ -125,12 +163,14 @@ def retrain(art: Path, time_budget_s: float | None = None) -> bool:
     need = [t for t in TASKS if not (art / "ckpt" / t / "metrics.json").is_file()]
     if need:
         train_all(art, need, time_budget_s)
+    final = {task: art / "ckpt" / task for task in TASKS}
+    final["translate"] = distill_translator(art, time_budget_s)
     ok = True
     for task in TASKS:
-        done, trained = art / "published" / task / "manifest.json", art / "ckpt" / task / "metrics.json"
+        done, trained = art / "published" / task / "manifest.json", final[task] / "metrics.json"
         if done.is_file() and done.stat().st_mtime > trained.stat().st_mtime and not need:
             continue  # published after its training ended, and compared then
-        cmd = _kvserve("publish", str(art / "ckpt" / task), "--out", str(art / "published" / task), "--force",
+        cmd = _kvserve("publish", str(final[task]), "--out", str(art / "published" / task), "--force",
                        "--data-dir", str(art / "data"))
         if (PUBLISHED_DIR / task / "manifest.json").is_file():
             cmd += ["--compare", str(PUBLISHED_DIR / task)]

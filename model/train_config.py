@@ -36,6 +36,7 @@ class TrainConfig:
     precision: str = "fp32"  # "fp32", "bf16-autocast", "bf16" (a bf16 twin, fp32 master weights) or "auto"
     # (bf16 autocast where the CPU has it natively and fp32 is not clearly faster at the start): model/precision.py
     ema: float = 0.0  # > 0: also keep an exponential moving average of the weights; the better on valid is kept
+    init: str = ""  # a checkpoint directory: start from its weights, model shape and tokenizer (fine-tuning)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -57,6 +58,13 @@ RECIPES: dict[str, dict] = {
                      lm_window=255, lr=1.5e-3, warmup=200, weight_decay=0.1, vocab_size=4000, eval_every=500,
                      precision="bf16-autocast", ema=0.999),
 }
+
+# The published translator is the translate recipe's model fine-tuned on the train split plus that model's own
+# beam-4 translations of the train sources (sequence-level distillation, `kvserve distill`): greedy decoding then
+# gets most of what the recipe's model needed a beam for (docs/decisions/distillation.md). `make train` runs it
+# after the recipe (kvserve/up.py distill_translator), on one thread like the recipe, so that the weights repeat.
+DISTILLATION: dict = dict(beam_size=4, steps=4000, lr=5e-4, warmup=200)
+
 
 def recipe(task: str, **overrides) -> TrainConfig:
     """The default training run for a task, with explicit overrides (e.g. from the command line)."""

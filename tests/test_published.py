@@ -48,6 +48,10 @@ def test_the_manifest_says_where_the_model_came_from(task):
     assert m["measured"]["versions"]["torch"] and "make train" in m["reproduce"]
     key = "chrf" if task == "translate" else "bits_per_char"
     assert m["metrics"]["test"][key] > 0 and len(m["version"]) == 12
+    if task == "translate":  # distilled: the teacher's run and the data it made are named, and they agree
+        init, distilled = m["training"]["init"], m["data"]["distillation"]
+        assert init["step"] == init["train_config"]["steps"] > 0 and init["starts"][0]["commit"]
+        assert distilled["teacher_weights_sha256"] == init["weights_sha256"] and distilled["beam_size"] > 1
 
 
 def test_the_published_files_are_small():

@@ -238,10 +238,15 @@ def test_the_default_recipes_are_steps_not_minutes():
     """`make train` gives the published models again: the published runs' length in optimizer steps, no clock, a
     pinned precision."""
     from model.published import PUBLISHED_DIR, read_manifest
-    from model.train_config import RECIPES, recipe
+    from model.train_config import DISTILLATION, RECIPES, recipe
 
-    assert {t: recipe(t).steps for t in RECIPES} == {t: read_manifest(PUBLISHED_DIR / t)["training"]["steps"]
-                                                     for t in RECIPES}
+    runs = {t: read_manifest(PUBLISHED_DIR / t)["training"] for t in RECIPES}
+    # the distilled translator: the recipe's run first (its `init`), then the fine-tune of DISTILLATION
+    assert {t: recipe(t).steps for t in RECIPES} == {t: run.get("init", run)["step" if "init" in run else "steps"]
+                                                     for t, run in runs.items()}
+    assert runs["translate"]["steps"] == DISTILLATION["steps"]
+    assert {k: read_manifest(PUBLISHED_DIR / "translate")["recipe"][k] for k in ("lr", "warmup")} == \
+        {k: DISTILLATION[k] for k in ("lr", "warmup")}
     assert all(recipe(t).time_budget_s == 0 for t in RECIPES)
     assert all(recipe(t).precision == "bf16-autocast" for t in RECIPES)  # pinned, not chosen by a timing
     assert recipe("translate", time_budget_s=600).time_budget_s == 600  # the opt-in trade of quality for time

@@ -131,3 +131,28 @@ def test_the_report_holds_the_metrics_and_draws_both_curves(tmp_path, monkeypatc
     write_report(tmp_path, metrics)
     assert plotted == [([25, 50], [5.0, 4.0], "train loss (smoothed CE)"), ([50], [3.0], "valid_bpc"),
                        ([50], [2.9], "valid_bpc (EMA weights)")]
+
+
+def test_a_run_with_init_starts_from_that_checkpoints_weights_shape_and_tokenizer(tmp_path, data_dir):
+    """Fine-tuning: the published model as the start of a run (`kvserve train --init published/translate`)."""
+    from model.checkpoint import load_checkpoint
+
+    teacher = start_run(config(tmp_path / "teacher", data_dir))
+    take_steps(teacher, 2)
+    save_run(teacher)
+    init = load_checkpoint(tmp_path / "teacher" / "run")
+    run = start_run(config(tmp_path / "student", data_dir, init=str(init.path), vocab_size=200))
+    assert run.model_config == init.config and run.tok.vocab_size == init.tokenizer.vocab_size  # not 200
+    assert (tmp_path / "student" / "run" / "tokenizer.json").read_bytes() == (init.path / "tokenizer.json").read_bytes()
+    assert same(run.model.state_dict(), init.model.state_dict()) and run.model.training
+    assert run.step == 0 and not run.opt.state_dict()["state"]  # a new run: fresh optimizer, its own schedule
+    assert run.init == {"weights_sha256": init.weights_sha256(), "train_config": init.meta["train_config"],
+                        "step": 2, "elapsed_s": 3.0, "metrics": {}, "starts": init.meta["starts"]}
+    assert same(run.avg.shadow, list(init.model.parameters()))  # the average starts at the init weights
+    take_steps(run, 1)
+    save_run(run)
+    back = start_run(config(tmp_path / "student", data_dir, init=str(init.path)), resume=True)
+    assert back.step == 1 and same(back.model.state_dict(), run.model.state_dict())  # --resume wins over init
+    assert back.init == run.init == json.loads((tmp_path / "student" / "run" / "checkpoint.json").read_text())["init"]
+    with pytest.raises(ValueError, match="is a translate checkpoint, not generate"):
+        start_run(config(tmp_path / "lm", data_dir, task="generate", init=str(init.path)))
