@@ -12,7 +12,7 @@ subcommand a user would run by hand:
                                                                        an interrupted run resumes)
     teacher   artifacts/published/translate-teacher    kvserve publish + export (the recipe's translator)
     distill   artifacts/data-kd/translate              kvserve distill (its beam-4 translations of the train
-                                                                       sources added to the real pairs)
+                                                                       sources: the new train split)
     fine-tune artifacts/ckpt/translate-distilled       kvserve train --init (the teacher on that data)
     publish   artifacts/published/{translate,...}      kvserve publish --compare published/<task>
     export, serve                                      as above, from artifacts/published
@@ -92,7 +92,7 @@ def train_runs(runs: dict[str, list[str]], time_budget_s: float | None = None) -
 def distill_translator(art: Path, time_budget_s: float | None = None) -> Path:
     """The translator's stages after its recipe (model/train_config.py DISTILLATION): the recipe's model published
     as the teacher (float16 weights, measured), its bundle's beam search over the train sources (`kvserve
-    distill`), then the teacher fine-tuned on the real plus the distilled pairs. Returns the checkpoint to publish
+    distill`), then the teacher fine-tuned on those distilled pairs. Returns the checkpoint to publish
     as the translator; a stage whose output is there is not run again."""
     from model.train_config import DISTILLATION
 
