@@ -1,4 +1,4 @@
-"""`kvserve distill`: the translator's training data extended by a teacher's beam-search translations.
+"""`kvserve distill`: a translator's training data made of a teacher's beam-search translations.
 
     kvserve distill --teacher BUNDLE --data-dir artifacts/data --out artifacts/data-kd [--beam-size 4]
 
@@ -15,7 +15,6 @@ teacher and the decoding). Needs the `serve` extra (the engine), not torch.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing
 import os
@@ -98,10 +97,11 @@ def distill(teacher: Path, data_dir: Path, out_dir: Path, beam_size: int = 4, le
             slots: int = 64, workers: int = 1, limit: int | None = None, real_pairs: bool = False) -> dict:
     """Translate the train sources with the teacher and write out_dir (skipped when its meta.json names the
     same teacher, data and decoding)."""
+    from export.bundle import sha256_file
     from serving.engine.types import SamplingParams
 
     record = {**teacher_record(teacher, beam_size, length_penalty), "real_pairs": real_pairs,
-              "train_sha256": hashlib.sha256((Path(data_dir) / "translate" / "train.tsv").read_bytes()).hexdigest()}
+              "train_sha256": sha256_file(Path(data_dir) / "translate" / "train.tsv")}
     meta_file = Path(out_dir) / "translate" / "meta.json"
     if meta_file.is_file() and limit is None:
         meta = json.loads(meta_file.read_text())
@@ -119,8 +119,7 @@ def distill(teacher: Path, data_dir: Path, out_dir: Path, beam_size: int = 4, le
 
 def _cmd(args: argparse.Namespace) -> int:
     meta = distill(Path(args.teacher), Path(args.data_dir), Path(args.out), args.beam_size, args.length_penalty,
-                   args.slots, args.workers, args.limit,
-                   args.real_pairs)
+                   args.slots, args.workers, args.limit, args.real_pairs)
     print(json.dumps(meta["distillation"], indent=2))
     return 0
 
