@@ -6,7 +6,9 @@ One continuous-batching Engine per bundle, in-process, C clients in a closed loo
 prompts of 4-24 tokens, outputs spread over --min-new..--max-new, eos ignored), greedy. The engine is timed
 from outside, the way a profiler would: a clock around every ONNX Runtime call of its runtime's sessions
 (`run_with_iobinding`) and around its step runner's `execute` (the runner's whole step); the run's wall
-time divided by its steps is the time per step. Per step, in milliseconds:
+time divided by its steps is the time per step. The clocks are read when the last request has been handed out:
+the figures are those of the C clients all in flight (the run's tail, with fewer and fewer clients and smaller
+steps, is not C clients). Per step, in milliseconds:
 - `ort decoder`, `ort encoder`, `ort helpers` (the slot-copy and cross-KV placement graphs): inside ORT;
 - `runner python`: the runner outside ORT (slot copies in numpy, building and binding inputs, reading
   logits, argmax / sampling / beam bookkeeping);
@@ -28,8 +30,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.markdown import rel_path
 
@@ -63,25 +66,31 @@ def instrument(engine: Any) -> dict[str, float]:
     return clock
 
 
-async def _closed_loop(engine: Any, work: list[tuple[list[int], int]], concurrency: int, tag: str) -> float:
+async def _closed_loop(engine: Any, work: list[tuple[list[int], int]], concurrency: int, tag: str,
+                       on_last: Callable[[float, int], None] | None = None) -> float:
+    """The wall time of the whole run; `on_last(seconds since the start, tokens received)` is called when the last
+    request has been handed to a client (until then all `concurrency` clients are in flight)."""
     from serving.engine.types import GenerationRequest, SamplingParams
 
     queue = list(reversed(work))
+    received = [0]
 
     async def client() -> None:
         while queue:
             prompt, n = queue.pop()
+            if not queue and on_last is not None:
+                on_last(time.perf_counter() - t0, received[0])
             handle = engine.submit(GenerationRequest(f"{tag}-{len(queue)}", prompt,
                                                      SamplingParams(max_new_tokens=n, ignore_eos=True)))
-            async for _ in handle:
-                pass
+            async for event in handle:
+                received[0] += event.token_id is not None
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return time.perf_counter() - t0
 
 
-def _row(concurrency: int, wall: float, steps: list[Any], clock: dict[str, float], tokens: int) -> dict[str, Any]:
+def _row(concurrency: int, wall: float, tokens: int, steps: list[Any], clock: dict[str, float]) -> dict[str, Any]:
     n = max(len(steps), 1)
     ort = sum(clock[k] for k in CATEGORIES[:3])
     seconds = {**{k: clock[k] for k in CATEGORIES[:3]}, "runner python": clock["run"] - ort,
@@ -112,8 +121,16 @@ async def _measure(bundle: Path, concurrency: list[int], threads: int, requests_
             work = workload(c * requests_per_client, engine, min_new, max_new, seed=seed)
             steps.clear()
             clock.update(dict.fromkeys(clock, 0.0))
-            wall = await _closed_loop(engine, work, c, f"c{c}s{seed}")
-            rows.append(_row(c, wall, steps, clock, sum(n for _, n in work)))
+            full: list[tuple[float, int, list[Any], dict[str, float]]] = []  # the clocks while all c clients run
+
+            def on_last(wall: float, tokens: int, full: list = full) -> None:
+                full.append((wall, tokens, list(steps), dict(clock)))
+
+            wall = await _closed_loop(engine, work, c, f"c{c}s{seed}", on_last)
+            if full and full[0][2]:
+                rows.append(_row(c, *full[0]))
+            else:  # one request per client: no step ran with all of them in flight yet, the whole run it is
+                rows.append(_row(c, wall, sum(n for _, n in work), steps, clock))
     finally:
         await engine.stop()
     return rows

@@ -39,7 +39,7 @@ from serving.engine.config import EngineConfig, ReplicaKnobs
 from serving.engine.handle import RequestHandle
 from serving.engine.outbox import Outbox
 from serving.engine.runner import RequestState, Runtime, StepResult, StepRunner
-from serving.engine.scheduler import Phase, Scheduler, Sequence, StepPlan
+from serving.engine.scheduler import DONE, HELD, Phase, Scheduler, Sequence, StepPlan
 from serving.engine.types import (
     AdmissionRejected,
     EngineDead,
@@ -100,7 +100,8 @@ class Engine:
     # ---- public API --------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._done is None:
-            loop = self._outbox.loop = asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
+            self._outbox.start(loop)
             self._done = loop.create_future()
             threading.Thread(target=self._run, args=(self._done,), name="kvserve-step", daemon=True).start()
             self._watchdog = loop.create_task(self._watch(), name="kvserve-watchdog")
@@ -125,6 +126,7 @@ class Engine:
                 await done
             watchdog.cancel()
         self._done = self._watchdog = None
+        self._outbox.close()
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request (or raise AdmissionRejected / InvalidRequest / EngineDead); iterate the handle."""
@@ -289,7 +291,7 @@ class Engine:
     ) -> None:
         """`info`: the token's (logprob, top ids and theirs) when the request asked for them."""
         st: RequestState = seq.payload
-        if seq.phase == Phase.DONE or seq.phase == Phase.HELD:
+        if seq.phase is DONE or seq.phase is HELD:
             return
         logprob, top = info if info is not None else (None, ())
         if check_stop and token in st.end_ids:

@@ -25,7 +25,7 @@ import numpy as np
 
 from serving.engine.beam import BeamSearch
 from serving.engine.sampling import adjust_logits, greedy, log_softmax, sample_plain, sample_row, top_logprobs
-from serving.engine.scheduler import Chunk, Phase, Sequence, StepPlan
+from serving.engine.scheduler import HELD, Chunk, Phase, Sequence, StepPlan
 from serving.engine.types import GenerationRequest
 
 
@@ -200,7 +200,7 @@ class StepRunner:
         raw = self._ban(logits)
         out.decode_tokens = len(rows)
         # the common case: every row plain greedy with nothing extra, its token the batched argmax, no per-row work
-        if all(s.payload.plain and not s.payload.extra and s.phase is not Phase.HELD for s in rows):
+        if all(s.payload.plain and not s.payload.extra and s.phase is not HELD for s in rows):
             tokens = greedy(logits)
             self.last[: len(rows)] = tokens
             out.tokens = list(zip(rows, tokens.tolist(), repeat(None)))
