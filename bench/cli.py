@@ -196,7 +196,8 @@ def _variant_bundle(art: Artifacts, task: str, variant: str, commands: list[str]
 def section_breakdown(art: Artifacts, plan: BenchPlan, commands: list[str]) -> dict[str, Any]:
     from bench.breakdown import run
 
-    bundles = [art.require_bundle("generate"), art.require_bundle("translate")]
+    # the int8 translator too: its steps are the shortest, so the Python around them weighs the most
+    bundles = [art.require_bundle("generate"), art.require_bundle("translate"), art.require_bundle("translate-int8")]
     p = plan
     result = run(bundles, list(p.breakdown_concurrency), p.threads, p.breakdown_rounds, p.breakdown_requests_per_client,
                  max_new=p.breakdown_max_new)

@@ -164,7 +164,9 @@ def render_breakdown(b: dict[str, Any]) -> list[str]:
     out += [_section_date(b), "",
             f"Each model on one continuous-batching engine, in-process, C clients in a closed loop ({b['threads']} ORT "
             f"thread(s), outputs of {b['min_new']}-{b['max_new']} tokens, greedy), timed from outside like a profiler: "
-            "a clock around every ONNX Runtime call per graph and around the runner's step (bench/breakdown.py). "
+            "a clock around every ONNX Runtime call per graph and around the runner's step (bench/breakdown.py), "
+            "read while all C clients are in flight (until the last request is handed out: the run's tail, with "
+            "fewer and fewer clients, is not C clients). "
             "`runner python` = the runner outside ORT (inputs, bindings, argmax, slot copies); `engine loop` = "
             "the rest of the wall time (scheduling, events, finishing requests, thread hand-offs); the fastest of "
             f"{b['rounds']} round(s), each in a fresh process.", "", table(b), ""]

@@ -71,3 +71,21 @@ def test_sampled_run_on_the_http_loads_prompts_records_them_and_their_length(tmp
     cfg = load_bundle(bundle).model_config
     longer = engine_best({**doc, "mean_prompt_tokens": doc["mean_prompt_tokens"] + 20}, cfg)
     assert longer["flops_per_token"] > engine_best(doc, cfg)["flops_per_token"]  # prefill and context count
+
+
+def test_breakdown_reads_its_clocks_while_every_client_is_in_flight():
+    """bench.breakdown: with several requests per client, the figures are those of the steps run before the last
+    request was handed out (every client busy); with one each, no such step exists and the whole run counts."""
+    from bench.breakdown import CATEGORIES, measure
+
+    bundle = cached_bundle("generate")[0]
+    steady = measure([bundle], [4], requests_per_client=6, min_new=4, max_new=12)[str(bundle)][0]
+    whole = measure([bundle], [4], requests_per_client=1, min_new=4, max_new=12)[str(bundle)][0]
+    # four clients in flight: four rows in nearly every step (a joiner's prefill shares the step); the one-request
+    # run ends with a tail of fewer rows
+    assert steady["rows_per_step"] >= 3.0 and whole["rows_per_step"] < steady["rows_per_step"]
+    for row in (steady, whole):
+        assert row["steps"] > 0 and row["tokens_per_s"] > 0
+        assert abs(sum(row["share"][k] for k in CATEGORIES) - 1.0) < 0.02
+    # the steady window ends before the last requests finish: fewer tokens than all 24 requests' (at least 4 each)
+    assert steady["wall_s"] * steady["tokens_per_s"] < 24 * 12
