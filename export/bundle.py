@@ -23,18 +23,18 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from export.contract import (
-    DECODER_CPU_FILE,
     FORMAT_VERSION,
     MANIFEST_FILE,
     Dims,
     GraphContract,
     decoder_contract,
+    decoder_cpu_contract,
     encoder_contract,
     has_cpu_decoder,
 )
@@ -78,7 +78,7 @@ def graph_contracts(cfg: ModelConfig, float_dtype: str = "float32") -> dict[str,
     if cross:
         graphs = {"encoder": encoder_contract(d), **graphs}
     if has_cpu_decoder(d):
-        graphs["decoder_cpu"] = replace(graphs["decoder"], file=DECODER_CPU_FILE)
+        graphs["decoder_cpu"] = decoder_cpu_contract(d, cross)
     return graphs
 
 

@@ -7,10 +7,13 @@ Graphs of a bundle:
 - translation: `encoder.onnx` (source -> cross-attention keys/values of every decoder layer) and
   `decoder.onnx` (one step of the decoder, prefill or decode, with the self-attention KV cache);
 - generation: `decoder.onnx` only (no cross inputs);
-- both, fp32/int8 variants with head_dim % 8 == 0: `decoder_cpu.onnx` beside `decoder.onnx`, the same
-  contract, its self-attention being ONNX Runtime's `com.microsoft.GroupQueryAttention` (in-place KV write,
-  each row attends over its own cached length only, no copy of the live cache prefix). The CPU EP runs it;
-  `decoder.onnx` (standard ONNX ops only) is the portable graph every EP can run (CUDA runs that one).
+- both, fp32/int8 variants with head_dim % 8 == 0: `decoder_cpu.onnx` beside `decoder.onnx`, its
+  self-attention being ONNX Runtime's `com.microsoft.GroupQueryAttention` (in-place KV write, each row attends
+  over its own cached length only, no copy of the live cache prefix). The CPU EP runs it; `decoder.onnx`
+  (standard ONNX ops only) is the portable graph every EP can run (CUDA runs that one). A translator's
+  `decoder_cpu.onnx` does its cross-attention with that kernel too, over each row's own source length: it takes
+  one new token per row only (`input_ids` (batch, 1)), and its cross buffers are also outputs
+  (`present_cross_key_i`, `present_cross_value_i`, the same values): bind them to the inputs' buffers.
 
 Decoder step semantics (the same as model.transformer's cached path):
 - `input_ids[b, :input_len[b]]` are row b's new tokens (right-padded to new_tokens);
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a translator's decoder_cpu.onnx takes one token per row and outputs its cross buffers
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 ENCODER_FILE = "encoder.onnx"
@@ -84,6 +87,14 @@ def cross_value(i: int) -> str:
     return f"cross_value_{i}"
 
 
+def present_cross_key(i: int) -> str:
+    return f"present_cross_key_{i}"
+
+
+def present_cross_value(i: int) -> str:
+    return f"present_cross_value_{i}"
+
+
 @dataclass(frozen=True)
 class Dims:
     """The model dimensions a contract depends on (from model.config.ModelConfig)."""
@@ -128,6 +139,20 @@ def decoder_contract(d: Dims, cross: bool) -> GraphContract:
             inputs += [TensorSpec(cross_key(i), d.float_dtype, kv), TensorSpec(cross_value(i), d.float_dtype, kv)]
         inputs.append(TensorSpec("src_len", "int64", (BATCH,)))
     return GraphContract(DECODER_FILE, tuple(inputs), tuple(outputs))
+
+
+def decoder_cpu_contract(d: Dims, cross: bool) -> GraphContract:
+    """decoder_cpu.onnx's contract: decoder.onnx's, and for a translator one new token per row and the cross
+    buffers as outputs too (see the module docstring)."""
+    c = decoder_contract(d, cross)
+    if not cross:
+        return GraphContract(DECODER_CPU_FILE, c.inputs, c.outputs)
+    inputs = tuple(TensorSpec(t.name, t.dtype, (BATCH, 1)) if t.name == "input_ids" else t for t in c.inputs)
+    kv = (BATCH, d.n_heads, SRC_TOKENS, d.head_dim)
+    outputs = [
+        TensorSpec(f(i), d.float_dtype, kv) for i in range(d.n_layers) for f in (present_cross_key, present_cross_value)
+    ]
+    return GraphContract(DECODER_CPU_FILE, inputs, (*c.outputs, *outputs))
 
 
 def has_cpu_decoder(d: Dims) -> bool:

@@ -20,7 +20,8 @@ Graph design (see DESIGN.md "export/"):
   cached length. The `small` LM, 28 decode rows at write_pos 100, ORT CPU 1 thread: the live-prefix Slice
   copies were 26% of decoder.onnx's step (ORT profiler). Its kernel accepts a batch of several rows with
   more than one new token only when no row has a cache yet (a first prompt, right-padded);
-  serving/engine/runtime.py splits other prefill calls accordingly.
+  serving/engine/runtime.py splits other prefill calls accordingly. A translator's decoder_cpu.onnx also
+  does cross-attention with that kernel, over each row's own source (export/gqa.py): one new token per row.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from export.bundle import check_graph_io, graph_contracts
-from export.contract import DECODER_CPU_FILE, DECODER_FILE, ENCODER_FILE, GraphContract
+from export.contract import DECODER_CPU_FILE, DECODER_FILE, ENCODER_FILE, NEW_TOKENS, GraphContract
+from export.gqa import gqa_cross_attend, gqa_self_attention
 from export.torch_model import layers
 from model.config import ModelConfig
 from model.transformer import KV, DecoderLayer, DecoderOnlyLM, EncoderDecoder, EncoderLayer, MultiHeadAttention
@@ -75,31 +77,6 @@ def _export_self_attention(
     torch._check(live <= k.shape[2])
     y = self.attend(q, k[:, :, :live], v[:, :, :live], allowed[..., :live])
     return y, (k, v)
-
-
-def _gqa_self_attention(
-    self: MultiHeadAttention,
-    x: Tensor,
-    cache: KV,
-    write_pos: Tensor,
-    allowed: Tensor,
-    *,
-    seqlens_k: Tensor,
-    total_len: Tensor,
-) -> tuple[Tensor, KV]:
-    """MultiHeadAttention.forward_cached as decoder_cpu.onnx exports it (write_pos and allowed are implied by
-    seqlens_k: the kernel writes the new keys/values at seqlens_k + 1 - new_tokens, causally masked)."""
-    qkv = _qkv_proj(self)(x)  # (B, T, 3D), packed as the kernel takes it (no key/value inputs): it splits the heads
-    d = qkv.shape[-1] // 3
-    y, k_cache, v_cache = torch.onnx.ops.symbolic_multi_out(
-        "com.microsoft::GroupQueryAttention",
-        (qkv, None, None, cache[0], cache[1], seqlens_k, total_len),
-        {"num_heads": self.n_heads, "kv_num_heads": self.n_heads, "scale": self.head_dim**-0.5},
-        dtypes=(x.dtype, cache[0].dtype, cache[1].dtype),
-        shapes=((*x.shape[:-1], d), cache[0].shape, cache[1].shape),
-        version=1,
-    )
-    return self.out_proj(y), (k_cache, v_cache)
 
 
 def _attend_full_mask(self: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
@@ -212,28 +189,38 @@ class DecoderStepGraph(nn.Module):
 
 
 class CpuDecoderStepGraph(DecoderStepGraph):
-    """DecoderStepGraph with GroupQueryAttention self-attention (decoder_cpu.onnx); same inputs and outputs."""
+    """DecoderStepGraph with GroupQueryAttention (decoder_cpu.onnx, export/gqa.py): self-attention, and for
+    translation cross-attention over each row's own source (one new token per row; the cross buffers are also
+    outputs, `present_cross_*`, bound in place)."""
 
     def forward(self, input_ids: Tensor, input_len: Tensor, write_pos: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         seqlens_k = (write_pos + input_len - 1).to(torch.int32)
         total_len = (write_pos + input_ids.shape[1]).max().to(torch.int32)
+        cross: list[KV] = []
         for layer in layers(self.model.decoder.layers, DecoderLayer):
             attn = layer.self_attn
-            gqa = functools.partial(_gqa_self_attention, attn, seqlens_k=seqlens_k, total_len=total_len)
-            _set_method(attn, "forward_cached", gqa)
-        return super().forward(input_ids, input_len, write_pos, *rest)
+            self_gqa = functools.partial(gqa_self_attention, attn, seqlens_k=seqlens_k, total_len=total_len)
+            _set_method(attn, "forward_cached", self_gqa)
+            if layer.cross_attn is not None:
+                src_len = rest[4 * self.n_layers]
+                cross_gqa = functools.partial(gqa_cross_attend, layer.cross_attn, src_len=src_len, sink=cross)
+                _set_method(layer.cross_attn, "attend", cross_gqa)
+        out = super().forward(input_ids, input_len, write_pos, *rest)
+        return (*out, *(t for kv in cross for t in kv))
 
 
 def example_inputs(contract: GraphContract, cfg: ModelConfig, dtype: torch.dtype) -> tuple[Tensor, ...]:
     """Trace examples: batch 3, 4 new tokens, 5 source tokens (all >= 2 so no dimension specializes),
     right-padded rows of different lengths, write positions that differ per row."""
     sizes = {"batch": 3, "new_tokens": 4, "src_tokens": 5}
+    ids_dim = next((t.shape[1] for t in contract.inputs if t.name == "input_ids"), NEW_TOKENS)
+    new_tokens = ids_dim if isinstance(ids_dim, int) else sizes[ids_dim]  # 1 for a one-token graph
     g = torch.Generator().manual_seed(0)
     values = {
         "src_ids": lambda s: torch.randint(4, cfg.vocab_size, s, generator=g),
         "input_ids": lambda s: torch.randint(4, cfg.vocab_size, s, generator=g),
         "src_len": lambda s: torch.tensor([5, 3, 4]),
-        "input_len": lambda s: torch.tensor([4, 1, 3]),
+        "input_len": lambda s: torch.tensor([4, 1, 3]).clamp(max=new_tokens),
         "write_pos": lambda s: torch.tensor([0, 7, 2]),
     }
     out = []

@@ -121,12 +121,15 @@ def _weights_sha(model_dir: Path) -> str:
 
 
 def _bundle_is_current(bundle: Path, model_dir: Path) -> bool:
-    """The bundle exists and was exported from the weights of `model_dir`."""
+    """The bundle exists, in the format this kvserve reads, and was exported from the weights of `model_dir`."""
+    from export.contract import FORMAT_VERSION
+
     manifest = bundle / "manifest.json"
     if not manifest.is_file():
         return False
-    source = json.loads(manifest.read_text()).get("source", {})
-    return source.get("weights_sha256") == _weights_sha(model_dir)
+    doc = json.loads(manifest.read_text())
+    current = doc.get("format_version") == FORMAT_VERSION
+    return current and doc.get("source", {}).get("weights_sha256") == _weights_sha(model_dir)
 
 
 def export_models(art: Path, models: Path) -> None:

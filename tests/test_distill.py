@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from export.contract import FORMAT_VERSION
 from kvserve import distill
 from model.data import load_pairs
 
@@ -103,7 +104,8 @@ def test_kvserve_up_train_distills_the_recipes_translator_stage_by_stage_and_ski
         if cmd[3] == "export":
             out = Path(cmd[cmd.index("--out") + 1])
             out.mkdir(parents=True, exist_ok=True)
-            (out / "manifest.json").write_text(json.dumps({"source": {"weights_sha256": "teacher"}}))
+            doc = {"format_version": FORMAT_VERSION, "source": {"weights_sha256": "teacher"}}
+            (out / "manifest.json").write_text(json.dumps(doc))
         return 0
 
     def train_runs(runs, budget):

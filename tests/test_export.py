@@ -38,15 +38,23 @@ def test_every_graph_passes_onnx_checker_and_uses_fused_ops(bundles, task):
         assert count_ops(b.paths[name])["Attention"] >= 1, f"{name}: SDPA did not become the Attention op"
     n_layers = b.config.n_decoder_layers
     assert count_ops(b.paths["decoder"])["TensorScatter"] == 2 * n_layers
-    # decoder_cpu.onnx: one GroupQueryAttention per self-attention, which takes the caches itself
+    # decoder_cpu.onnx: one GroupQueryAttention per self-attention, which takes the caches itself, and for a
+    # translator one per cross-attention (over each row's own source), no ONNX Attention left
     ops = count_ops(b.paths["decoder_cpu"])
-    assert ops["GroupQueryAttention"] == n_layers and ops["TensorScatter"] == 0
-    assert ops["Attention"] == (n_layers if task == "translate" else 0)  # cross-attention stays standard
+    cross = task == "translate"
+    assert ops["GroupQueryAttention"] == (2 if cross else 1) * n_layers and ops["TensorScatter"] == 0
+    assert ops["Attention"] == 0
     for name, allowed in (("decoder", {"TensorScatter", "Shape"}), ("decoder_cpu", {"GroupQueryAttention"})):
         graph = onnx.load(str(b.paths[name])).graph
         for past in (i.name for i in graph.input if i.name.startswith("past_")):
             consumers = {n.op_type for n in graph.node if past in n.input}
             assert consumers <= allowed, (name, past, consumers)
+    # the cross buffers feed the kernel (as its past) and the GatherElements of each row's last key/value only:
+    # nothing copies or transposes a whole buffer
+    graph = onnx.load(str(b.paths["decoder_cpu"])).graph
+    for c in (i.name for i in graph.input if i.name.startswith("cross_")):
+        consumers = {n.op_type for n in graph.node if c in n.input}
+        assert consumers <= {"GroupQueryAttention", "Reshape", "Shape"}, (c, consumers)
 
 
 @pytest.mark.parametrize("graph", ["decoder", "decoder_cpu"])

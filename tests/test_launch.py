@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from export.contract import FORMAT_VERSION
 from serving.server import haproxy, launch, ray_env
 from serving.server.api import METRICS_CACHE_CONTROL
 
@@ -94,16 +95,19 @@ def test_kvserve_up_and_make_serve_pass_the_host_through(art, monkeypatch):
     assert "--host 0.0.0.0" in dry[("HOST=0.0.0.0",)]
 
 
-def test_kvserve_up_exports_only_bundles_whose_weights_are_not_the_published_ones(tmp_path, monkeypatch):
+def test_kvserve_up_exports_only_bundles_not_current_weights_or_format(tmp_path, monkeypatch):
     from kvserve import up
 
     models = tmp_path / "published"
     for task, sha in (("translate", "a" * 64), ("generate", "b" * 64)):
         (models / task).mkdir(parents=True)
         (models / task / "manifest.json").write_text(json.dumps({"weights": {"sha256": sha}, "version": "v1"}))
-    bundle = tmp_path / "art" / "bundles" / "translate"
-    bundle.mkdir(parents=True)
-    (bundle / "manifest.json").write_text(json.dumps({"source": {"weights_sha256": "a" * 64}, "version": "v1"}))
+    for task, fmt in (("translate", FORMAT_VERSION), ("generate", FORMAT_VERSION - 1)):  # generate: an older format
+        bundle = tmp_path / "art" / "bundles" / task
+        bundle.mkdir(parents=True)
+        sha = "a" * 64 if task == "translate" else "b" * 64
+        doc = {"format_version": fmt, "source": {"weights_sha256": sha}, "version": "v1"}
+        (bundle / "manifest.json").write_text(json.dumps(doc))
     runs = []
 
     class Export:  # writes the bundle's manifest, with another version: a note, no failure
@@ -118,6 +122,7 @@ def test_kvserve_up_exports_only_bundles_whose_weights_are_not_the_published_one
     monkeypatch.setattr(up.subprocess, "Popen", Export)
     up.export_models(tmp_path / "art", models)
     assert [c[c.index("export") + 1] for c in runs] == [str(models / "generate")]  # translate is current
+    assert not up._bundle_is_current(tmp_path / "art" / "bundles" / "translate", models / "generate")  # weights
 
 
 def test_kvserve_up_train_trains_both_recipes_side_by_side_and_resumes(tmp_path, monkeypatch):

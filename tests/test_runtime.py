@@ -98,6 +98,36 @@ def test_multi_token_steps_on_rows_with_and_without_a_cache_match_pytorch(bundle
         np.testing.assert_allclose(rt.step(start, x, lens, wpos), ref.step(start, x, lens, wpos), atol=1e-4, rtol=0)
 
 
+def test_a_translators_cpu_graph_steps_one_token_per_row_and_leaves_its_cross_buffers_in_place(bundles):
+    """decoder_cpu.onnx of a translator does cross-attention with GroupQueryAttention over each row's own source:
+    one token per row (a multi-token call runs token by token), its present cross buffers bound to the inputs'
+    memory and left as they were; the logits are PyTorch's for sources of different lengths (so different cross
+    widths per row) and multi-token rows of mixed lengths."""
+    ck = load_checkpoint(checkpoint_of(bundles["translate"]))
+    b = load_bundle(bundles["translate"])
+    assert [t["shape"] for t in b.contracts["decoder_cpu"]["inputs"] if t["name"] == "input_ids"] == [["batch", 1]]
+    rt = ModelRuntime(b, n_slots=6, provider="cpu", decoder_graph="decoder_cpu")
+    ref = TorchRuntime(ck.model, 6, ck.tokenizer.special_ids)
+    g = np.random.default_rng(5)
+    sources = [list(g.integers(4, ck.config.vocab_size, n)) for n in (3, 17, 1, 9, 12)]
+    rt.encode(1, sources)
+    ref.encode(1, sources)
+    cross = {name: buf.host_array() for name, buf in rt._cross_kv.items()}
+    before = {name: (a.copy(), a.ctypes.data) for name, a in cross.items()}
+    ids = lambda n, t: g.integers(4, ck.config.vocab_size, (n, t)).astype(np.int64)
+    calls = [  # (start, ids, input_len, write_pos)
+        (1, ids(5, 3), np.array([1, 3, 2, 3, 1]), np.zeros(5, np.int64)),  # by token: runs of rows with a token t
+        (1, ids(5, 1), np.ones(5, np.int64), np.array([1, 3, 2, 3, 1])),
+        (2, ids(3, 2), np.array([2, 1, 2]), np.array([4, 3, 4])),
+        (1, ids(5, 1), np.ones(5, np.int64), np.array([2, 6, 4, 6, 2])),
+    ]
+    for start, x, lens, wpos in calls:
+        np.testing.assert_allclose(rt.step(start, x, lens, wpos), ref.step(start, x, lens, wpos), atol=1e-4, rtol=0)
+    for name, a in cross.items():
+        assert a.ctypes.data == before[name][1]
+        np.testing.assert_array_equal(a, before[name][0])
+
+
 # a beam reorder with overlap (0 -> 1, 1 -> 2, 2 -> 0 and a duplicate 0 -> 4), and compaction moves (disjoint
 # sources and destinations, which the CPU copies row by row in place)
 MOVES = {"overlapping": ([0, 1, 2, 0], [1, 2, 0, 4]), "disjoint": ([4, 3], [0, 2])}

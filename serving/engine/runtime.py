@@ -9,9 +9,9 @@ rows) and `copy_slots` (beam reordering, compaction); a freed slot needs no rese
 prefill. One-token steps run through bindings made once per row range.
 
 Decoder graph: on the CPU EP, a bundle's `decoder_cpu.onnx` where it has one (GroupQueryAttention: per-row
-cache lengths, no prefix copies; export/contract.py), else the portable `decoder.onnx`. That kernel runs a
-batch of several multi-token rows only when none has a cache yet, so `step` runs other prefill calls as
-runs it accepts (rows without a cache together, each continued row alone, trimmed to its tokens).
+cache lengths, no prefix copies; a translator's cross-attention over each row's own source; export/contract.py),
+else the portable `decoder.onnx`. `step` splits a multi-token call into the calls that graph accepts
+(serving/engine/step_calls.py); a translator's cross buffers are bound as its outputs too, in place.
 
 Slot data never leaves the device: rows [start, start+n) are bound by pointer (a view, no copy). On the CUDA EP
 (serving/engine/providers.py chooses it), fp32 bundles run with TF32 off (ORT's default is on): fp32 is the
@@ -32,30 +32,25 @@ import onnxruntime as ort
 from onnx import helper
 
 from export.bundle import Bundle
-from export.contract import cross_key, cross_value, past_key, past_value, present_key, present_value
+from export.contract import (
+    cross_key,
+    cross_value,
+    past_key,
+    past_value,
+    present_cross_key,
+    present_cross_value,
+    present_key,
+    present_value,
+)
 from serving.engine.providers import CPU_EP, CUDA_EP, choose_provider, gpu_visible  # noqa: F401 (re-exported)
 from serving.engine.runtime_checks import check_copy, check_rows, check_source_lengths, check_step
 from serving.engine.sessions import check_session_io, execution_providers, open_session
 from serving.engine.slots import SlotBuffer, copy_host_rows, slot_copy_graph, slot_place_graph
 from serving.engine.sources import encoder_calls, encoder_inputs, source_binding
+from serving.engine.step_calls import by_gqa_run, by_token
 
 CROSS_WIDTH_STEP = 16  # the cross buffers' source axis grows and shrinks in steps of this many positions
-
-
-def _gqa_runs(input_len: np.ndarray, write_pos: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first row, end row, new tokens) of the calls GroupQueryAttention accepts for a multi-token step:
-    consecutive rows without a cache together (right-padded to their longest), each row with a cache alone
-    with exactly its own tokens (its kernel takes every new token of such a row as real)."""
-    runs: list[tuple[int, int, int]] = []
-    a, n = 0, len(write_pos)
-    while a < n:
-        b = a + 1
-        if write_pos[a] == 0:
-            while b < n and write_pos[b] == 0:
-                b += 1
-        runs.append((a, b, int(input_len[a:b].max())))
-        a = b
-    return runs
+CROSS_IN_OUT = ((cross_key, present_cross_key), (cross_value, present_cross_value))
 
 
 class ModelRuntime:
@@ -100,6 +95,11 @@ class ModelRuntime:
             )
         self.decoder_graph = decoder_graph
         self._decoder = self._session(bundle.read_graph(decoder_graph), decoder_graph)
+        contract = bundle.contracts[decoder_graph]
+        self._one_token = next(t["shape"][1] == 1 for t in contract["inputs"] if t["name"] == "input_ids")
+        outputs = {t["name"] for t in contract["outputs"]}
+        pairs = [(f(i), g(i)) for i in range(cfg.n_decoder_layers) for f, g in CROSS_IN_OUT]
+        self._cross_out = {name: out for name, out in pairs if out in outputs}  # bound to the inputs' memory
         self._encoder = self._session(bundle.read_graph("encoder"), "encoder") if bundle.is_encoder_decoder else None
         self._allocate_slots(elem)
 
@@ -203,13 +203,10 @@ class ModelRuntime:
             self._src_len if self._cross_kv else None,
         )
         one = input_ids.shape[1] == 1
+        if not one and self._one_token:
+            return by_token(self._run_decoder, start, input_ids, input_len, write_pos, self._vocab)
         if not one and self.decoder_graph == "decoder_cpu" and write_pos.any():
-            return np.concatenate(
-                [
-                    self._call(start + a, np.ascontiguousarray(input_ids[a:b, :width]), input_len[a:b], write_pos[a:b])
-                    for a, b, width in _gqa_runs(input_len, write_pos)
-                ]
-            )
+            return by_gqa_run(self._call, start, input_ids, input_len, write_pos)
         logits = self._call(start, input_ids, input_len, write_pos)
         return logits.copy() if copy and one else logits  # only a one-token call hands out the runtime's rows
 
@@ -274,6 +271,8 @@ class ModelRuntime:
                 self._self_kv[past].bind(io, present, start, n, output=True)
         for name, buf in self._cross_kv.items():
             buf.bind(io, name, start, n)
+            if name in self._cross_out:  # the same memory: the kernel writes back what is there
+                buf.bind(io, self._cross_out[name], start, n, output=True)
 
     def _run_decoder(
         self, start: int, input_ids: np.ndarray, input_len: np.ndarray, write_pos: np.ndarray
