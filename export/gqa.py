@@ -63,24 +63,37 @@ def gqa_self_attention(
     return self.out_proj(y), (k_cache, v_cache)
 
 
+def cross_positions(src_len: Tensor, cross_key: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What every layer's cross-attention shares, computed once per step (all cross buffers have one shape):
+    (the row of each (row, head)'s last source position in a buffer seen as (B*H*W, Dh), seqlens_k, W)."""
+    b, h, w, _ = cross_key.shape
+    last = src_len - 1
+    heads = torch.arange(h).view(1, h) * w + torch.arange(b).view(b, 1) * (h * w)
+    rows = (heads + last.view(b, 1)).reshape(b * h)
+    width = torch.ones(w, dtype=torch.int32).sum(dtype=torch.int32)  # W from the shape: present as wide as past
+    return rows, last.to(torch.int32), width
+
+
 def gqa_cross_attend(
-    self: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, *, src_len: Tensor, sink: list[KV]
+    self: MultiHeadAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor,
+    *,
+    positions: tuple[Tensor, Tensor, Tensor],
+    sink: list[KV],
 ) -> Tensor:
     """MultiHeadAttention.attend for cross-attention of one new token per row over the row's own source: q (B, H,
-    1, Dh), k/v the cross buffers (B, H, W, Dh). The kernel's present keys/values (the same values) go to `sink`:
-    graph outputs, bound to the cross buffers themselves."""
+    1, Dh), k/v the cross buffers (B, H, W, Dh), `positions` from `cross_positions`. The kernel's present
+    keys/values (the same values) go to `sink`: graph outputs, bound to the cross buffers themselves."""
     b, h, t, dh = q.shape
-    w = k.shape[2]
-    last = src_len - 1
-    # Each row's last key/value, (B, H*Dh): one Gather of B*H rows of Dh values from the buffers seen as (B*H*W, Dh)
-    # (GatherElements took 0.39 ms of a 32-row int8 step for the 8 buffers; advanced indexing k[rows, :, last]
-    # exports as a Transpose of the whole buffer)
-    heads = torch.arange(h, device=q.device).view(1, h) * w + torch.arange(b, device=q.device).view(b, 1) * (h * w)
-    rows = (heads + last.view(b, 1)).reshape(b * h)
-    k_last = k.reshape(b * h * w, dh).index_select(0, rows).reshape(b, 1, h * dh)
-    v_last = v.reshape(b * h * w, dh).index_select(0, rows).reshape(b, 1, h * dh)
-    width = torch.ones(w, dtype=torch.int32).sum(dtype=torch.int32)  # W from the shape: present as wide as past
+    rows, seqlens_k, width = positions
+    # Each row's last key/value, (B, H*Dh): one Gather of B*H rows of Dh values (GatherElements took 0.39 ms of a
+    # 32-row int8 step for the 8 buffers; advanced indexing k[rows, :, last] exports as a Transpose of the buffer)
+    k_last = k.reshape(-1, dh).index_select(0, rows).reshape(b, 1, h * dh)
+    v_last = v.reshape(-1, dh).index_select(0, rows).reshape(b, 1, h * dh)
     q_flat = q.transpose(1, 2).reshape(b, t, h * dh)
-    y, k_out, v_out = gqa(q_flat, k_last, v_last, (k, v), last.to(torch.int32), width, h, dh)
+    y, k_out, v_out = gqa(q_flat, k_last, v_last, (k, v), seqlens_k, width, h, dh)
     sink.append((k_out, v_out))
     return self.out_proj(y)

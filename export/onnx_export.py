@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from export.bundle import check_graph_io, graph_contracts
 from export.contract import DECODER_CPU_FILE, DECODER_FILE, ENCODER_FILE, NEW_TOKENS, GraphContract
-from export.gqa import gqa_cross_attend, gqa_self_attention
+from export.gqa import cross_positions, gqa_cross_attend, gqa_self_attention
 from export.torch_model import layers
 from model.config import ModelConfig
 from model.transformer import KV, DecoderLayer, DecoderOnlyLM, EncoderDecoder, EncoderLayer, MultiHeadAttention
@@ -197,13 +197,14 @@ class CpuDecoderStepGraph(DecoderStepGraph):
         seqlens_k = (write_pos + input_len - 1).to(torch.int32)
         total_len = (write_pos + input_ids.shape[1]).max().to(torch.int32)
         cross: list[KV] = []
+        n = self.n_layers
+        positions = cross_positions(rest[4 * n], rest[2 * n]) if isinstance(self.model, EncoderDecoder) else None
         for layer in layers(self.model.decoder.layers, DecoderLayer):
             attn = layer.self_attn
             self_gqa = functools.partial(gqa_self_attention, attn, seqlens_k=seqlens_k, total_len=total_len)
             _set_method(attn, "forward_cached", self_gqa)
-            if layer.cross_attn is not None:
-                src_len = rest[4 * self.n_layers]
-                cross_gqa = functools.partial(gqa_cross_attend, layer.cross_attn, src_len=src_len, sink=cross)
+            if layer.cross_attn is not None and positions is not None:
+                cross_gqa = functools.partial(gqa_cross_attend, layer.cross_attn, positions=positions, sink=cross)
                 _set_method(layer.cross_attn, "attend", cross_gqa)
         out = super().forward(input_ids, input_len, write_pos, *rest)
         return (*out, *(t for kv in cross for t in kv))
