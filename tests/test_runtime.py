@@ -244,10 +244,11 @@ def test_cuda_options_turn_tf32_off_for_fp32_only_and_profiles_are_written(bundl
 
 
 def test_cross_width_follows_the_longest_source_held(bundles):
-    """On the CPU the cross buffers' source axis widens when a long source joins and narrows once the engine
-    keeps only shorter ones (keep_sources), moving the rows it keeps: logits stay PyTorch's throughout."""
+    """With decoder.onnx on the CPU (ONNX Attention reads every position of the cross buffers) their source axis
+    widens when a long source joins and narrows once the engine keeps only shorter ones (keep_sources), moving
+    the rows it keeps: logits stay PyTorch's throughout."""
     ck = load_checkpoint(checkpoint_of(bundles["translate"]))
-    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=4, provider="cpu")
+    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=4, provider="cpu", decoder_graph="decoder")
     ref = TorchRuntime(ck.model, 4, ck.tokenizer.special_ids)
     g = np.random.default_rng(5)
     long_len = min(rt.max_src_len, 3 * CROSS_WIDTH_STEP - 5)
@@ -274,6 +275,19 @@ def test_cross_width_follows_the_longest_source_held(bundles):
     step(2)
     with pytest.raises(ValueError, match="no encoded source"):
         rt.step(0, np.ones((3, 1), np.int64), np.ones(3, np.int64), pos[:3])
+
+
+def test_cross_buffers_keep_max_src_len_where_cross_attention_reads_each_rows_own_source(bundles):
+    """decoder_cpu.onnx of a translator reads only each row's own source positions: its cross buffers keep
+    max_src_len whatever the sources held, so a long source joining or leaving moves nothing and rebuilds no
+    binding."""
+    rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=4, provider="cpu")
+    assert rt.decoder_graph == "decoder_cpu" and rt.cross_width == rt.max_src_len
+    rt.encode(0, [[5, 6, 7], list(range(4, 4 + min(rt.max_src_len, 3 * CROSS_WIDTH_STEP - 5)))])
+    rt.step(0, np.ones((2, 1), np.int64), np.ones(2, np.int64), np.zeros(2, np.int64))
+    bound = dict(rt._bound)
+    rt.keep_sources(1)
+    assert rt.cross_width == rt.max_src_len and rt._bound == bound
 
 
 def test_a_source_given_several_times_is_encoded_once_into_each_of_its_slots(bundles, monkeypatch):

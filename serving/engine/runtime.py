@@ -2,11 +2,11 @@
 
 Owns: the sessions of one bundle (opened by serving/engine/sessions.py: options, providers), the slot buffers
 (serving/engine/slots.py; per decoder layer, self-attention keys/values `[n_slots, H, M, Dh]` and, for translation,
-cross-attention keys/values `[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or on the CPU the
-longest source held), and three operations on slots: `encode` (encoder run, cross keys/values written into slots),
-`step` (one decoder step on contiguous slots, KV updated in place through IOBinding: past and present bound to the same
-rows) and `copy_slots` (beam reordering, compaction); a freed slot needs no reset, its rows are overwritten by the next
-prefill. One-token steps run through bindings made once per row range.
+cross-attention keys/values `[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or the longest
+source held where cross-attention reads the whole width), and three operations on slots: `encode` (encoder run,
+cross keys/values written into slots), `step` (one decoder step on contiguous slots, KV updated in place through
+IOBinding: past and present bound to the same rows) and `copy_slots` (beam reordering, compaction); a freed slot needs
+no reset, its rows are overwritten by the next prefill. One-token steps run through bindings made once per row range.
 
 Decoder graph: on the CPU EP, a bundle's `decoder_cpu.onnx` where it has one (GroupQueryAttention: per-row
 cache lengths, no prefix copies; a translator's cross-attention over each row's own source; export/contract.py),
@@ -108,8 +108,8 @@ class ModelRuntime:
     n_slots = property(lambda self: self._n_slots)
     max_len = property(lambda self: self._max_len)  # KV cache length M: write_pos + new tokens stay within it
     max_src_len = property(lambda self: self._max_src_len)
-    # Source positions cross-attention reads per row: on the CPU the longest source held, rounded up to
-    # CROSS_WIDTH_STEP; max_src_len elsewhere.
+    # The cross buffers' source positions per row: the longest source held, rounded up to CROSS_WIDTH_STEP, where
+    # cross-attention reads them all (the CPU's decoder.onnx); max_src_len elsewhere.
     cross_width = property(lambda self: self._cross_width)
     vocab_size = property(lambda self: self._vocab)
     bos_id = property(lambda self: self.bundle.special_ids["bos"])
@@ -361,10 +361,12 @@ class ModelRuntime:
         self._in_len, self._in_pos = np.ones(n_slots, np.int64), np.zeros(n_slots, np.int64)
         self._logits = np.zeros((n_slots, self._vocab), self._dtype)
         self._bound: dict[tuple[int, int], ort.IOBinding] = {}
-        # Cross-attention reads every position of the cross buffers' source axis, masked or not: on the CPU that
-        # axis follows the longest source held (a multiple of CROSS_WIDTH_STEP), not max_src_len (160 positions
-        # for ~25-token sentences: 3.8 of a 9.8 ms step at batch 32 went to cross-attention, ORT profile).
-        self._adaptive_width = self._device == "cpu" and bool(self._cross_kv)
+        # ONNX Attention reads every position of the cross buffers' source axis, masked or not: on the CPU that axis
+        # follows the longest source held (a multiple of CROSS_WIDTH_STEP), not max_src_len (160 positions for
+        # ~25-token sentences: 3.8 of a 9.8 ms step at batch 32 went to cross-attention, ORT profile). A graph whose
+        # cross-attention reads each row's own positions (`_cross_out`) gains nothing from it: the buffers keep
+        # max_src_len, with no re-layout copies and no bindings rebuilt when the longest source changes.
+        self._adaptive_width = self._device == "cpu" and bool(self._cross_kv) and not self._cross_out
         self._cross_width = self._max_src_len
         if self._adaptive_width:
             self._set_cross_width(min(self._max_src_len, CROSS_WIDTH_STEP), keep_rows=0)
