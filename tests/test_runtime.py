@@ -277,17 +277,21 @@ def test_cross_width_follows_the_longest_source_held(bundles):
         rt.step(0, np.ones((3, 1), np.int64), np.ones(3, np.int64), pos[:3])
 
 
-def test_cross_buffers_keep_max_src_len_where_cross_attention_reads_each_rows_own_source(bundles):
-    """decoder_cpu.onnx of a translator reads only each row's own source positions: its cross buffers keep
-    max_src_len whatever the sources held, so a long source joining or leaving moves nothing and rebuilds no
-    binding."""
+def test_a_per_row_cross_attention_graph_narrows_its_cross_buffers_only_when_no_source_is_held(bundles):
+    """decoder_cpu.onnx of a translator reads only each row's own source positions: a long source leaving does not
+    lay the kept rows out again (nor rebuild their bindings); the buffers narrow once nothing is held."""
     rt = ModelRuntime(load_bundle(bundles["translate"]), n_slots=4, provider="cpu")
-    assert rt.decoder_graph == "decoder_cpu" and rt.cross_width == rt.max_src_len
-    rt.encode(0, [[5, 6, 7], list(range(4, 4 + min(rt.max_src_len, 3 * CROSS_WIDTH_STEP - 5)))])
+    assert rt.decoder_graph == "decoder_cpu" and rt.cross_width == CROSS_WIDTH_STEP
+    long_len = min(rt.max_src_len, 3 * CROSS_WIDTH_STEP - 5)
+    rt.encode(0, [[5, 6, 7], list(range(4, 4 + long_len))])
+    wide = rt.cross_width
+    assert wide == -(-long_len // CROSS_WIDTH_STEP) * CROSS_WIDTH_STEP
     rt.step(0, np.ones((2, 1), np.int64), np.ones(2, np.int64), np.zeros(2, np.int64))
     bound = dict(rt._bound)
     rt.keep_sources(1)
-    assert rt.cross_width == rt.max_src_len and rt._bound == bound
+    assert rt.cross_width == wide and rt._bound == bound
+    rt.keep_sources(0)
+    assert rt.cross_width == CROSS_WIDTH_STEP
 
 
 def test_a_source_given_several_times_is_encoded_once_into_each_of_its_slots(bundles, monkeypatch):

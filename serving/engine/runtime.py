@@ -2,8 +2,8 @@
 
 Owns: the sessions of one bundle (opened by serving/engine/sessions.py: options, providers), the slot buffers
 (serving/engine/slots.py; per decoder layer, self-attention keys/values `[n_slots, H, M, Dh]` and, for translation,
-cross-attention keys/values `[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or the longest
-source held where cross-attention reads the whole width), and three operations on slots: `encode` (encoder run,
+cross-attention keys/values `[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or on the CPU the
+longest source held), and three operations on slots: `encode` (encoder run,
 cross keys/values written into slots), `step` (one decoder step on contiguous slots, KV updated in place through
 IOBinding: past and present bound to the same rows) and `copy_slots` (beam reordering, compaction); a freed slot needs
 no reset, its rows are overwritten by the next prefill. One-token steps run through bindings made once per row range.
@@ -108,8 +108,8 @@ class ModelRuntime:
     n_slots = property(lambda self: self._n_slots)
     max_len = property(lambda self: self._max_len)  # KV cache length M: write_pos + new tokens stay within it
     max_src_len = property(lambda self: self._max_src_len)
-    # The cross buffers' source positions per row: the longest source held, rounded up to CROSS_WIDTH_STEP, where
-    # cross-attention reads them all (the CPU's decoder.onnx); max_src_len elsewhere.
+    # The cross buffers' source positions per row on the CPU: the longest source held, rounded up to
+    # CROSS_WIDTH_STEP (see _allocate_slots); max_src_len elsewhere.
     cross_width = property(lambda self: self._cross_width)
     vocab_size = property(lambda self: self._vocab)
     bos_id = property(lambda self: self.bundle.special_ids["bos"])
@@ -361,23 +361,23 @@ class ModelRuntime:
         self._in_len, self._in_pos = np.ones(n_slots, np.int64), np.zeros(n_slots, np.int64)
         self._logits = np.zeros((n_slots, self._vocab), self._dtype)
         self._bound: dict[tuple[int, int], ort.IOBinding] = {}
-        # ONNX Attention reads every position of the cross buffers' source axis, masked or not: on the CPU that axis
-        # follows the longest source held (a multiple of CROSS_WIDTH_STEP), not max_src_len (160 positions for
-        # ~25-token sentences: 3.8 of a 9.8 ms step at batch 32 went to cross-attention, ORT profile). A graph whose
-        # cross-attention reads each row's own positions (`_cross_out`) gains nothing from it: the buffers keep
-        # max_src_len, with no re-layout copies and no bindings rebuilt when the longest source changes.
-        self._adaptive_width = self._device == "cpu" and bool(self._cross_kv) and not self._cross_out
+        # ONNX Attention reads every position of the cross buffers' source axis: on the CPU that axis follows the
+        # longest source held (a multiple of CROSS_WIDTH_STEP), not max_src_len (3.8 of a 9.8 ms step at batch 32
+        # went to cross-attention at 160). A per-row cross-attention graph (`_cross_out`) only keeps its rows
+        # close together that way: its buffers narrow only when no source is held, not under load.
+        self._adaptive_width = self._device == "cpu" and bool(self._cross_kv)
         self._cross_width = self._max_src_len
         if self._adaptive_width:
             self._set_cross_width(min(self._max_src_len, CROSS_WIDTH_STEP), keep_rows=0)
         self._copy = self._session(slot_copy_graph([*self._self_kv, *self._cross_kv], elem), None)
 
     def _fit_cross_width(self, need: int) -> None:
-        """Widen the cross buffers' source axis at once when a source needs it; narrow it when the longest
-        source held needs half of it or less (hysteresis: no back and forth at a boundary)."""
+        """Widen the cross buffers' source axis at once when a source needs it; narrow it when the longest source
+        held needs half of it or less (hysteresis), for a per-row cross-attention graph only once nothing is held."""
         width = min(self._max_src_len, -(-max(need, 1) // CROSS_WIDTH_STEP) * CROSS_WIDTH_STEP)
-        if width > self._cross_width or 2 * width <= self._cross_width:
-            held = np.flatnonzero(self._src_len)
+        held = np.flatnonzero(self._src_len)
+        narrow = 2 * width <= self._cross_width and (not self._cross_out or not held.size)
+        if width > self._cross_width or narrow:
             self._set_cross_width(width, keep_rows=int(held[-1]) + 1 if held.size else 0)
 
     def _set_cross_width(self, width: int, keep_rows: int) -> None:
