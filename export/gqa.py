@@ -24,6 +24,11 @@ from torch import Tensor, nn
 from model.transformer import KV, MultiHeadAttention
 
 
+def qkv_proj(attn: MultiHeadAttention) -> nn.Linear:
+    """The fused q/k/v projection that export/onnx_export.py `_for_export` adds to a self-attention."""
+    return cast(nn.Linear, attn.qkv_proj)
+
+
 def gqa(
     q: Tensor,
     k_new: Tensor | None,
@@ -58,7 +63,7 @@ def gqa_self_attention(
 ) -> tuple[Tensor, KV]:
     """MultiHeadAttention.forward_cached as decoder_cpu.onnx exports it (write_pos and allowed are implied by
     seqlens_k). The packed q/k/v projection is `_for_export`'s `qkv_proj`: the kernel splits the heads."""
-    qkv = cast(nn.Linear, self.qkv_proj)(x)  # (B, T, 3D)
+    qkv = qkv_proj(self)(x)  # (B, T, 3D)
     y, k_cache, v_cache = gqa(qkv, None, None, cache, seqlens_k, total_len, self.n_heads, self.head_dim)
     return self.out_proj(y), (k_cache, v_cache)
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from export.bundle import check_graph_io, graph_contracts
 from export.contract import DECODER_CPU_FILE, DECODER_FILE, ENCODER_FILE, NEW_TOKENS, GraphContract
-from export.gqa import cross_positions, gqa_cross_attend, gqa_self_attention
+from export.gqa import cross_positions, gqa_cross_attend, gqa_self_attention, qkv_proj
 from export.torch_model import layers
 from model.config import ModelConfig
 from model.transformer import KV, DecoderLayer, DecoderOnlyLM, EncoderDecoder, EncoderLayer, MultiHeadAttention
@@ -91,11 +91,6 @@ def _set_method(module: nn.Module, name: str, method: Callable[..., Any]) -> Non
     setattr(module, name, method)
 
 
-def _qkv_proj(attn: MultiHeadAttention) -> nn.Linear:
-    """The fused q/k/v projection `_for_export` adds to a self-attention."""
-    return cast(nn.Linear, attn.qkv_proj)
-
-
 def _for_export(model: EncoderDecoder | DecoderOnlyLM) -> EncoderDecoder | DecoderOnlyLM:
     """A copy of the model with the export versions of attention (the caller's model is untouched): the
     padding mask expanded for ORT's kernel, and fused projections (one MatMul where the graph had several:
@@ -135,7 +130,7 @@ def fused_linear(linears: list[nn.Linear]) -> nn.Linear:
 
 def _fused_qkv(self: MultiHeadAttention, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (each (B, H, T, Dh)) from the one fused projection `qkv_proj` that `_for_export` adds."""
-    q, k, v = _qkv_proj(self)(x).chunk(3, dim=-1)
+    q, k, v = qkv_proj(self)(x).chunk(3, dim=-1)
     return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
 

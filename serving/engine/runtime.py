@@ -3,10 +3,10 @@
 Owns: the sessions of one bundle (opened by serving/engine/sessions.py: options, providers), the slot buffers
 (serving/engine/slots.py; per decoder layer, self-attention keys/values `[n_slots, H, M, Dh]` and, for translation,
 cross-attention keys/values `[n_slots, H, W, Dh]` plus each slot's source length; W = max_src_len, or on the CPU the
-longest source held), and three operations on slots: `encode` (encoder run,
-cross keys/values written into slots), `step` (one decoder step on contiguous slots, KV updated in place through
-IOBinding: past and present bound to the same rows) and `copy_slots` (beam reordering, compaction); a freed slot needs
-no reset, its rows are overwritten by the next prefill. One-token steps run through bindings made once per row range.
+longest source held), and three operations on slots: `encode` (encoder run, cross keys/values written into
+slots), `step` (one decoder step on contiguous slots, KV updated in place through IOBinding: past and present bound
+to the same rows) and `copy_slots` (beam reordering, compaction); a freed slot needs no reset, its rows are
+overwritten by the next prefill. One-token steps run through bindings made once per row range.
 
 Decoder graph: on the CPU EP, a bundle's `decoder_cpu.onnx` where it has one (GroupQueryAttention: per-row
 cache lengths, no prefix copies; a translator's cross-attention over each row's own source; export/contract.py),
@@ -375,9 +375,9 @@ class ModelRuntime:
         """Widen the cross buffers' source axis at once when a source needs it; narrow it when the longest source
         held needs half of it or less (hysteresis), for a per-row cross-attention graph only once nothing is held."""
         width = min(self._max_src_len, -(-max(need, 1) // CROSS_WIDTH_STEP) * CROSS_WIDTH_STEP)
-        held = np.flatnonzero(self._src_len)
-        narrow = 2 * width <= self._cross_width and (not self._cross_out or not held.size)
+        narrow = 2 * width <= self._cross_width and (not self._cross_out or not self._src_len.any())
         if width > self._cross_width or narrow:
+            held = np.flatnonzero(self._src_len)
             self._set_cross_width(width, keep_rows=int(held[-1]) + 1 if held.size else 0)
 
     def _set_cross_width(self, width: int, keep_rows: int) -> None:
